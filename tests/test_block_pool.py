@@ -1,0 +1,184 @@
+"""Exact-order unit tests of BlockPool, in the style of vLLM's own tests."""
+
+from poolutil import admit, letters, queue
+
+from tiered_kv.core import BlockPool, BlockRemoved, BlockStored, KVCacheManager, Request
+
+
+def test_null_block_is_block_zero_and_never_handed_out():
+    pool = BlockPool(5)
+    assert pool.null_block.block_id == 0 and pool.null_block.is_null
+    got = pool.get_new_blocks(4)
+    assert [b.block_id for b in got] == [1, 2, 3, 4]
+    assert pool.get_num_free_blocks() == 0
+    pool.free_blocks(reversed(got))
+    assert pool.free_queue_ids() == [4, 3, 2, 1]  # unhashed blocks: front, in the order given
+
+
+def test_usage_metric_excludes_null_block():
+    pool = BlockPool(11)
+    assert pool.get_usage() == 0.0
+    blocks = pool.get_new_blocks(4)
+    assert pool.get_usage() == 1 - 6 / 10
+    pool.get_new_blocks(6)
+    assert pool.get_usage() == 1.0
+    pool.free_blocks(blocks)
+    assert pool.get_usage() == 1 - 4 / 10
+
+
+def test_prefix_hit_on_block_still_in_free_queue_removes_it_from_the_middle():
+    mgr = KVCacheManager(9, block_size=4)
+    r0 = admit(mgr, "r0", "AAAABBBBCCCCD")  # blocks 1,2,3 full, 4 partial
+    mgr.free(r0)
+    assert queue(mgr.block_pool) == ["4", "5", "6", "7", "8", "3*", "2*", "1*"]
+    r1 = Request("r1", letters("AAAABBBBzz"))
+    hits, n = mgr.get_computed_blocks(r1)
+    assert [b.block_id for b in hits] == [1, 2] and n == 8
+    assert queue(mgr.block_pool) == ["4", "5", "6", "7", "8", "3*", "2*", "1*"]  # lookup does not touch
+    new = mgr.allocate_slots(r1, 2, n, hits)
+    assert [b.block_id for b in new] == [4]
+    assert queue(mgr.block_pool) == ["5", "6", "7", "8", "3*"]
+    assert mgr.get_block_ids("r1") == [1, 2, 4]
+    mgr.block_pool.check_invariants()
+
+
+def test_eviction_happens_only_at_hand_out():
+    pool_mgr = KVCacheManager(4, block_size=2, enable_kv_cache_events=True)
+    pool = pool_mgr.block_pool
+    r = admit(pool_mgr, "r", "abcdef")  # 3 full blocks: 1 2 3
+    pool_mgr.free(r)
+    pool.take_events()
+    assert queue(pool) == ["3*", "2*", "1*"]
+    h3 = pool.blocks[3].block_hash
+    assert pool.get_cached_block(h3) is pool.blocks[3]  # free, and still a hit
+    got = pool.get_new_blocks(1)
+    assert got[0].block_id == 3 and got[0].block_hash is None
+    assert pool.get_cached_block(h3) is None
+    assert pool.take_events() == [BlockRemoved([h3], "GPU")]
+    assert queue(pool) == ["2*", "1*"]
+
+
+def test_duplicate_hashes_are_not_deduplicated():
+    mgr = KVCacheManager(10, block_size=4)
+    a = Request("a", letters("SAMEPROMPTxx"))
+    b = Request("b", letters("SAMEPROMPTxx"))
+    # Both are scheduled before either is cached: neither sees the other's blocks.
+    ha, _ = mgr.get_computed_blocks(a)
+    hb, _ = mgr.get_computed_blocks(b)
+    assert ha == [] and hb == []
+    mgr.allocate_slots(a, 12)
+    mgr.allocate_slots(b, 12)
+    assert mgr.get_block_ids("a") == [1, 2, 3] and mgr.get_block_ids("b") == [4, 5, 6]
+    pool = mgr.block_pool
+    h = a.block_hashes[0]
+    assert pool.blocks[1].block_hash == pool.blocks[4].block_hash == h
+    assert list(pool.cached_block_hash_to_block[h]) == [1, 4]
+    assert pool.get_cached_block(h) is pool.blocks[1]  # the first cached wins
+    mgr.free(a)  # a's blocks go to the back; the lookup still finds block 1 (free)
+    assert pool.get_cached_block(h) is pool.blocks[1]
+    pool.get_new_blocks(4)  # 7 8 9 then 3 (a's deepest) -- not yet block 1
+    assert pool.get_cached_block(h) is pool.blocks[1]
+    pool.get_new_blocks(2)  # 2 then 1: block 1 evicted, b's duplicate takes over
+    assert pool.get_cached_block(h) is pool.blocks[4]
+    assert mgr.get_block_ids("b") == [4, 5, 6]  # b's table never changed
+    pool.check_invariants()
+
+
+def test_free_in_reverse_order_puts_deepest_block_first():
+    mgr = KVCacheManager(8, block_size=2)
+    r = admit(mgr, "r", "aabbccdde")  # 4 full + 1 partial: 1 2 3 4 5
+    mgr.free(r)
+    assert queue(mgr.block_pool) == ["5", "6", "7", "4*", "3*", "2*", "1*"]
+
+
+def test_free_blocks_prepends_unhashed_in_given_order_and_appends_hashed_in_given_order():
+    mgr = KVCacheManager(10, block_size=1)
+    pool = mgr.block_pool
+    r = admit(mgr, "r", "abc")  # all 3 full (block size 1): 1 2 3 hashed
+    extra = pool.get_new_blocks(3)  # 4 5 6 unhashed
+    pool.free_blocks([extra[1], pool.blocks[2], extra[0], pool.blocks[1], extra[2], pool.blocks[3]])
+    assert queue(pool) == ["5", "4", "6", "7", "8", "9", "2*", "1*", "3*"]
+    del mgr.req_to_blocks[r.request_id]
+
+
+def test_shared_block_returns_to_queue_only_at_last_owner():
+    mgr = KVCacheManager(8, block_size=2)
+    a = admit(mgr, "a", "xxyyz")
+    b = admit(mgr, "b", "xxyyq")
+    assert mgr.get_block_ids("a") == [1, 2, 3] and mgr.get_block_ids("b") == [1, 2, 4]
+    mgr.free(a)
+    assert queue(mgr.block_pool) == ["3", "5", "6", "7"]
+    mgr.free(b)
+    assert queue(mgr.block_pool) == ["4", "3", "5", "6", "7", "2*", "1*"]
+
+
+def test_lookahead_slots_get_blocks_but_are_never_cached():
+    mgr = KVCacheManager(10, block_size=4)
+    r = Request("r", letters("abcdef"))
+    new = mgr.allocate_slots(r, 6, num_lookahead_tokens=6)  # 12 slots: 3 blocks
+    assert [b.block_id for b in new] == [1, 2, 3]
+    assert [b.block_hash is not None for b in new] == [True, False, False]
+    r.num_computed_tokens = 6
+    r.append_output_token_ids(letters("gh"))  # block 2 is now full of final tokens
+    more = mgr.allocate_slots(r, 2, num_lookahead_tokens=6)  # 6 + 2 + 6 = 14 slots: a 4th block
+    assert [b.block_id for b in more] == [4]
+    assert [b.block_hash is not None for b in new + more] == [True, True, False, False]
+
+
+def test_caching_disabled_is_a_lifo_allocator():
+    mgr = KVCacheManager(6, block_size=2, enable_caching=False)
+    r = admit(mgr, "r", "aabbc")
+    assert mgr.get_computed_blocks(Request("s", letters("aabbc"))) == ([], 0)
+    mgr.free(r)
+    assert queue(mgr.block_pool) == ["3", "2", "1", "4", "5"]
+    assert mgr.block_pool.cached_block_hash_to_block == {}
+
+
+def test_reset_prefix_cache_refused_while_blocks_are_held():
+    mgr = KVCacheManager(6, block_size=2, enable_kv_cache_events=True)
+    r = admit(mgr, "r", "aabbc")
+    mgr.take_events()
+    assert mgr.reset_prefix_cache() is False
+    assert mgr.block_pool.blocks[1].block_hash is not None
+    mgr.free(r)
+    assert mgr.reset_prefix_cache() is True
+    assert queue(mgr.block_pool) == ["3", "4", "5", "2", "1"]  # order kept, hashes gone
+    assert mgr.block_pool.cached_block_hash_to_block == {}
+    assert [type(e).__name__ for e in mgr.take_events()] == ["AllBlocksCleared"]
+    assert mgr.make_prefix_cache_stats().reset is True
+
+
+def test_block_stored_events_carry_chain_and_tokens():
+    mgr = KVCacheManager(10, block_size=2, enable_kv_cache_events=True, medium="GPU")
+    r = Request("r", letters("abcde"), lora_name="adapter")
+    mgr.allocate_slots(r, 5)
+    (ev,) = mgr.take_events()
+    assert ev == BlockStored(r.block_hashes[:2], None, letters("abcd"), 2, "adapter", "GPU")
+    r.num_computed_tokens = 5
+    r.append_output_token_ids(ord("f"))
+    mgr.allocate_slots(r, 1)
+    (ev,) = mgr.take_events()
+    assert ev.block_hashes == [r.block_hashes[2]] and ev.parent_block_hash == r.block_hashes[1]
+    assert ev.token_ids == letters("ef")
+    assert mgr.take_events() == []
+
+
+def test_prefix_cache_stats_count_tokens():
+    mgr = KVCacheManager(20, block_size=4)
+    admit(mgr, "a", "abcdefghijkl")
+    b = Request("b", letters("abcdefghXXXX"))
+    mgr.get_computed_blocks(b)
+    b.num_preemptions = 1
+    mgr.get_computed_blocks(b)
+    stats = mgr.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (2, 24, 8)
+    assert (stats.preempted_requests, stats.preempted_queries, stats.preempted_hits) == (1, 12, 8)
+    assert mgr.make_prefix_cache_stats().requests == 0
+
+
+def test_cache_hit_capped_so_last_prompt_token_is_recomputed():
+    mgr = KVCacheManager(10, block_size=4)
+    admit(mgr, "a", "abcdefgh")
+    b = Request("b", letters("abcdefgh"))  # identical, block-aligned prompt
+    hits, n = mgr.get_computed_blocks(b)
+    assert [x.block_id for x in hits] == [1] and n == 4

@@ -1,0 +1,152 @@
+"""Each misuse raises a clear error and leaves pool and manager exactly as they were."""
+
+import pytest
+from poolutil import admit, letters, manager_snapshot
+
+from tiered_kv.core import BlockPool, KVCacheManager, Request
+from tiered_kv.errors import (
+    BlockStateError,
+    HashingError,
+    InvalidArgumentError,
+    NotEnoughFreeBlocksError,
+    TieredKVError,
+)
+
+
+def populated() -> tuple[KVCacheManager, Request]:
+    """A manager with shared, cached, free-cached and partial blocks in play."""
+    mgr = KVCacheManager(12, block_size=2, enable_kv_cache_events=True)
+    done = admit(mgr, "done", "aabbccd")
+    admit(mgr, "a", "aabbxx")
+    r = admit(mgr, "b", "aabbcyz")
+    mgr.free(done)
+    return mgr, r
+
+
+def _partial_cache(mgr, r):
+    # Table of b is [1, 2, 6, 7]; only 3 blocks are full, so caching 4 must refuse.
+    mgr.num_cached_block["b"] = 3
+    try:
+        mgr.block_pool.cache_full_blocks(r, mgr.req_to_blocks["b"], 3, 4, 2)
+    finally:
+        mgr.num_cached_block["b"] = 3
+
+
+CASES = [
+    (
+        "more blocks than are free",
+        NotEnoughFreeBlocksError,
+        "cannot get 7 free blocks from the GPU pool: 6 free of 11",
+        lambda m, r: m.block_pool.get_new_blocks(7),
+    ),
+    (
+        "negative count",
+        InvalidArgumentError,
+        "num_blocks must be an int >= 0, got -1",
+        lambda m, r: m.block_pool.get_new_blocks(-1),
+    ),
+    (
+        "freeing a free block",
+        BlockStateError,
+        r"double free in the GPU pool: block\(s\) \[4\]",
+        lambda m, r: m.block_pool.free_blocks([m.block_pool.blocks[7], m.block_pool.blocks[4]]),
+    ),
+    (
+        "freeing a block twice in one call",
+        BlockStateError,
+        r"block\(s\) \[7\]",
+        lambda m, r: m.block_pool.free_blocks([m.block_pool.blocks[7], m.block_pool.blocks[7]]),
+    ),
+    (
+        "freeing the null block",
+        BlockStateError,
+        "cannot free the null block",
+        lambda m, r: m.block_pool.free_blocks([m.block_pool.blocks[7], m.block_pool.null_block]),
+    ),
+    (
+        "touching the null block",
+        BlockStateError,
+        "cannot touch the null block",
+        lambda m, r: m.block_pool.touch([m.block_pool.blocks[3], m.block_pool.null_block]),
+    ),
+    ("hashing a partial block", HashingError, "block 3 is partial or not final", _partial_cache),
+    (
+        "caching an already cached block",
+        BlockStateError,
+        "block 1 is already cached",
+        lambda m, r: m.block_pool.cache_full_blocks(r, m.req_to_blocks["b"], 0, 1, 2),
+    ),
+    (
+        "zero new tokens",
+        InvalidArgumentError,
+        "num_new_tokens must be an int > 0, got 0",
+        lambda m, r: m.allocate_slots(r, 0),
+    ),
+    (
+        "negative new tokens",
+        InvalidArgumentError,
+        "num_new_tokens must be an int > 0, got -3",
+        lambda m, r: m.allocate_slots(r, -3),
+    ),
+    (
+        "negative lookahead",
+        InvalidArgumentError,
+        "num_lookahead_tokens=-1",
+        lambda m, r: m.allocate_slots(r, 1, num_lookahead_tokens=-1),
+    ),
+    (
+        "prefix hits after the first allocation",
+        InvalidArgumentError,
+        "only be added on first allocation",
+        lambda m, r: m.allocate_slots(r, 1, 2, [m.block_pool.blocks[1]]),
+    ),
+    (
+        "computed tokens not matching computed blocks",
+        InvalidArgumentError,
+        "cover 2 tokens",
+        lambda m, r: m.allocate_slots(Request("new", letters("aab")), 1, 1, [m.block_pool.blocks[1]]),
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "exc", "message", "action"), CASES, ids=[c[0] for c in CASES])
+def test_misuse_raises_and_changes_nothing(name, exc, message, action):
+    mgr, r = populated()
+    before = manager_snapshot(mgr)
+    with pytest.raises(exc, match=message) as info:
+        action(mgr, r)
+    assert isinstance(info.value, TieredKVError)
+    assert manager_snapshot(mgr) == before, f"{name}: state changed"
+    mgr.block_pool.check_invariants()
+
+
+def test_allocation_that_does_not_fit_returns_none_and_changes_nothing():
+    mgr, r = populated()
+    before = manager_snapshot(mgr)
+    big = Request("big", letters("aabbcc" + "q" * 20))
+    hits, n = mgr.get_computed_blocks(big)
+    assert [b.block_id for b in hits] == [1, 2, 3]  # block 3 is free-but-cached: touching it costs a free block
+    assert mgr.allocate_slots(big, big.num_tokens - n, n, hits) is None
+    assert mgr.allocate_slots(r, 1, num_lookahead_tokens=30) is None
+    assert manager_snapshot(mgr) == before
+
+
+@pytest.mark.parametrize("n", [0, 1, -5, 2.0, True])
+def test_bad_pool_sizes(n):
+    with pytest.raises(InvalidArgumentError, match="num_blocks must be an int >= 2"):
+        BlockPool(n)
+
+
+@pytest.mark.parametrize("bs", [0, -16, 1.5])
+def test_bad_block_sizes(bs):
+    with pytest.raises(InvalidArgumentError, match="block_size must be a positive int"):
+        KVCacheManager(8, block_size=bs)
+
+
+def test_bad_medium_and_empty_prompt():
+    with pytest.raises(InvalidArgumentError, match="medium must be one of"):
+        BlockPool(4, medium="TPU")
+    with pytest.raises(InvalidArgumentError, match="at least one token"):
+        Request("r", [])
+    with pytest.raises(InvalidArgumentError, match="max_tokens"):
+        Request("r", [1], max_tokens=-1)

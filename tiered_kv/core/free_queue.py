@@ -1,0 +1,136 @@
+"""The free queue: the order in which free blocks are reused.
+
+The order is the eviction policy (front = reused first), so it is the contract
+this module keeps exactly as vLLM v1's ``FreeKVCacheBlockQueue`` does.  The
+representation is ours and was chosen by measurement
+(``benchmarks/bench_block_pool.py --queues``): vLLM threads a doubly linked list
+through the block objects, which costs several Python attribute writes per
+block.  We keep a ``collections.deque`` of block objects instead, whose push and
+pop run in C, and delete from the middle *lazily*:
+
+* ``remove(b)`` does not search the deque; it bumps ``b.stale``, meaning "the
+  next ``stale`` entries of ``b`` met from the front are dead".
+* ``popleft_n`` skips entries whose block has ``stale > 0`` (decrementing it).
+
+Why that is exact: a stale entry is left only by ``remove``, which the pool
+calls only for a cache hit on a free *hashed* block.  A held block keeps its
+hash until it is back in the queue, so it is re-queued at the *back*, behind its
+stale entries.  Hence every stale entry of a block precedes its live entry, and
+"skip the first ``stale`` occurrences" identifies them.  ``prepend_n`` asserts
+the one case that could break this (a block with stale entries going to the
+front).  Stale entries are compacted away once they outnumber live ones, so
+memory stays O(number of blocks).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+
+from tiered_kv.core.block import KVCacheBlock
+
+
+class FreeBlockQueue:
+    """Free blocks in reuse order, with O(1) take-front, put-front, put-back and remove.
+
+    Attributes:
+        num_free_blocks: Number of live entries (free blocks).
+    """
+
+    __slots__ = ("_dq", "num_free_blocks", "_num_stale")
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._dq: deque[KVCacheBlock] = deque(blocks)
+        self.num_free_blocks = len(self._dq)
+        self._num_stale = 0
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def popleft(self) -> KVCacheBlock:
+        """Take the front block."""
+        return self.popleft_n(1)[0]
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        """Take ``n`` blocks from the front, in queue order.  ``n`` must not exceed the free count."""
+        assert 0 <= n <= self.num_free_blocks, f"popleft_n({n}) with {self.num_free_blocks} free"
+        self.num_free_blocks -= n
+        pop = self._dq.popleft
+        if not self._num_stale:
+            # Fast path: no dead entries anywhere, so no per-entry checks.
+            return [pop() for _ in repeat(None, n)]
+        ret: list[KVCacheBlock] = []
+        append = ret.append
+        while n:
+            block = pop()
+            if block.stale:
+                block.stale -= 1
+                self._num_stale -= 1
+                continue
+            append(block)
+            n -= 1
+        return ret
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front so that ``blocks[0]`` becomes the front."""
+        if self._num_stale:
+            for block in blocks:
+                assert not block.stale, f"block {block.block_id} has stale entries and cannot go to the front"
+        self._dq.extendleft(reversed(blocks))
+        self.num_free_blocks += len(blocks)
+
+    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the back, in order (``blocks[-1]`` becomes the back)."""
+        self._dq.extend(blocks)
+        self.num_free_blocks += len(blocks)
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put one block at the back."""
+        self._dq.append(block)
+        self.num_free_blocks += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Remove a free block from wherever it is in the queue, in O(1) amortised."""
+        block.stale += 1
+        self._num_stale += 1
+        self.num_free_blocks -= 1
+        if self._num_stale > 64 and self._num_stale > self.num_free_blocks:
+            self._compact()
+
+    def remove_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Remove several free blocks (each must be in the queue once)."""
+        n = 0
+        for block in blocks:
+            block.stale += 1
+            n += 1
+        self._num_stale += n
+        self.num_free_blocks -= n
+        if self._num_stale > 64 and self._num_stale > self.num_free_blocks:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop every dead entry, keeping the live order (O(len) once per O(len) removes)."""
+        live: list[KVCacheBlock] = []
+        append = live.append
+        for block in self._dq:
+            if block.stale:
+                block.stale -= 1
+            else:
+                append(block)
+        self._dq = deque(live)
+        self._num_stale = 0
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """All free blocks in reuse order (front first).  O(len); for tests and tools."""
+        if not self._num_stale:
+            return list(self._dq)
+        pending: dict[int, int] = {}
+        out: list[KVCacheBlock] = []
+        for block in self._dq:
+            seen = pending.get(block.block_id, 0)
+            if seen < block.stale:
+                pending[block.block_id] = seen + 1
+            else:
+                out.append(block)
+        return out

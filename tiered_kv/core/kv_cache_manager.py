@@ -1,0 +1,267 @@
+"""KVCacheManager: per-request block tables over one BlockPool (vLLM v1's role).
+
+The scheduler calls, per request and step:
+
+1. ``get_computed_blocks(request)`` once, on admission: the longest cached
+   prefix, capped so the last prompt token is always recomputed (its logits are
+   needed to sample).  It does not touch: a lookup is not yet a commitment.
+2. ``allocate_slots(request, num_new_tokens, ...)``: all-or-nothing.  Returns the
+   newly allocated blocks, or ``None`` with nothing changed when they do not fit.
+   Every block that becomes full of *final* tokens is cached right away, at
+   scheduling time (safe because forward passes run in order).  Lookahead
+   (speculative) slots get blocks but are never cached.
+3. ``free(request)``: releases the table last block first.
+
+Block tables are append-only: an id, once in a table, is never replaced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from itertools import islice
+
+from tiered_kv.core.block import KVCacheBlock
+from tiered_kv.core.block_pool import BlockPool
+from tiered_kv.core.events import KVCacheEvent
+from tiered_kv.core.hashing import BlockHasher, HashFn
+from tiered_kv.core.request import Request
+from tiered_kv.core.stats import PrefixCacheStats
+from tiered_kv.errors import InvalidArgumentError
+
+
+class KVCacheManager:
+    """Block tables for requests over one pool.
+
+    Args:
+        num_blocks: Size of a new pool (ignored when ``block_pool`` is given).
+        block_size: Tokens per block (> 0).
+        enable_caching: Prefix caching.
+        hash_fn: ``"sha256"``, ``"fast"`` or a callable (see :mod:`.hashing`).
+        hash_seed: Seed of the root hash.
+        block_pool: An existing pool to manage (the tier manager shares pools).
+        log_stats: Count prefix-cache statistics.
+        max_model_len: Cap on slots per request (``None``: no cap).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        *,
+        enable_caching: bool = True,
+        hash_fn: str | HashFn = "sha256",
+        hash_seed: int = 0,
+        enable_kv_cache_events: bool = False,
+        block_pool: BlockPool | None = None,
+        medium: str = "GPU",
+        log_stats: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+        if block_pool is None:
+            if num_blocks is None:
+                raise InvalidArgumentError("give num_blocks or block_pool")
+            block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.enable_caching = block_pool.enable_caching
+        self.hasher = BlockHasher.create(block_size, hash_fn, hash_seed)
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.max_model_len = max_model_len
+        self.req_to_blocks: dict[Hashable, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[Hashable, int] = {}
+
+    # ------------------------------------------------------------------ lookup
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of ``request``: (blocks, tokens).  Does not touch."""
+        if not self.enable_caching or request.skip_prefix_cache:
+            return [], 0
+        hashes = self.hasher.update(request)
+        # Cap: the last prompt token must be recomputed to produce logits.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        cmap = self.block_pool.cached_block_hash_to_block
+        computed: list[KVCacheBlock] = []
+        append = computed.append
+        for h in islice(hashes, max_blocks):
+            hit = cmap.get(h)
+            if hit is None:
+                break
+            append(hit if hit.__class__ is KVCacheBlock else next(iter(hit.values())))  # type: ignore[union-attr]
+        num_tokens = len(computed) * self.block_size
+        if self.log_stats:
+            self.prefix_cache_stats.record(request.num_tokens, num_tokens, request.num_preemptions > 0)
+        return computed, num_tokens
+
+    # -------------------------------------------------------------- allocation
+    def num_blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> int:
+        """Free blocks ``allocate_slots`` would consume (new blocks plus evictable hits)."""
+        have = self.req_to_blocks.get(request.request_id)
+        n_have = len(have) if have is not None else 0
+        computed = new_computed_blocks or ()
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if self.max_model_len is not None:
+            total = min(total, self.max_model_len)
+        needed = -(-total // self.block_size) - n_have - len(computed)
+        evictable = sum(1 for b in computed if b.ref_cnt == 0)
+        return max(needed, 0) + evictable
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` (+ lookahead) more tokens of ``request``.
+
+        Args:
+            request: The request; ``request.num_computed_tokens`` is its progress.
+            num_new_tokens: Tokens to compute this step (> 0).
+            num_new_computed_tokens: Tokens covered by ``new_computed_blocks``.
+            new_computed_blocks: Prefix hits from ``get_computed_blocks`` (first
+                allocation only); touched here, once the allocation is known to fit.
+            num_lookahead_tokens: Speculative slots: allocated, never cached.
+            delay_cache_blocks: Skip caching this step (e.g. KV still arriving).
+
+        Returns:
+            The newly allocated blocks (possibly empty), or ``None`` when they do
+            not fit; then nothing at all has changed.
+        """
+        rid = request.request_id
+        bs = self.block_size
+        req_blocks = self.req_to_blocks.get(rid)
+        if (
+            new_computed_blocks is None
+            and req_blocks is not None
+            and num_lookahead_tokens == 0
+            and num_new_computed_tokens == 0
+            and num_new_tokens.__class__ is int
+            and num_new_tokens > 0
+            and self.max_model_len is None
+        ):
+            # Fast path, the common decode/chunked-prefill step of a running request.
+            total = request.num_computed_tokens + num_new_tokens
+            n_new = -(-total // bs) - len(req_blocks)
+            if n_new > 0:
+                pool = self.block_pool
+                if n_new > pool.free_block_queue.num_free_blocks:
+                    return None
+                new_blocks = pool.get_new_blocks(n_new)
+                req_blocks.extend(new_blocks)
+            else:
+                new_blocks = []
+            if self.enable_caching and not delay_cache_blocks:
+                n_tok = len(request.all_token_ids)
+                if (total if total < n_tok else n_tok) // bs > self.num_cached_block[rid]:
+                    self.cache_blocks(request, total if total < n_tok else n_tok)
+            return new_blocks
+
+        if num_new_tokens.__class__ is not int or num_new_tokens <= 0:
+            raise InvalidArgumentError(f"num_new_tokens must be an int > 0, got {num_new_tokens!r}")
+        if num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
+            raise InvalidArgumentError(
+                f"negative counts: num_lookahead_tokens={num_lookahead_tokens}, "
+                f"num_new_computed_tokens={num_new_computed_tokens}"
+            )
+        computed = new_computed_blocks or []
+        if computed:
+            if req_blocks:
+                raise InvalidArgumentError(f"request {rid!r}: prefix hits can only be added on first allocation")
+            if num_new_computed_tokens != len(computed) * bs:
+                raise InvalidArgumentError(
+                    f"request {rid!r}: {len(computed)} computed blocks cover {len(computed) * bs} tokens, "
+                    f"not num_new_computed_tokens={num_new_computed_tokens}"
+                )
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        total = num_computed + num_new_tokens + num_lookahead_tokens
+        if self.max_model_len is not None:
+            total = min(total, self.max_model_len)
+        n_have = (len(req_blocks) if req_blocks is not None else 0) + len(computed)
+        n_new = -(-total // bs) - n_have
+        if n_new < 0:
+            n_new = 0
+        pool = self.block_pool
+        n_evictable = 0
+        for b in computed:
+            if b.ref_cnt == 0:
+                n_evictable += 1
+        if n_new + n_evictable > pool.free_block_queue.num_free_blocks:
+            return None
+
+        if computed:
+            pool.touch(computed)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[rid] = list(computed)
+            self.num_cached_block[rid] = len(computed)
+        new_blocks = pool.get_new_blocks(n_new) if n_new else []
+        if new_blocks:
+            req_blocks.extend(new_blocks)
+
+        if self.enable_caching and not delay_cache_blocks:
+            n_tokens = num_computed + num_new_tokens
+            if n_tokens > request.num_tokens:
+                n_tokens = request.num_tokens  # never cache lookahead/draft slots
+            self.cache_blocks(request, n_tokens)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Cache every full block of ``request`` within its first ``num_computed_tokens`` tokens."""
+        rid = request.request_id
+        num_full = num_computed_tokens // self.block_size
+        n_cached = self.num_cached_block.get(rid, 0)
+        if num_full <= n_cached:
+            return
+        if len(request.block_hashes) < num_full:
+            self.hasher.update(request)
+        self.block_pool.cache_full_blocks(request, self.req_to_blocks[rid], n_cached, num_full, self.block_size)
+        self.num_cached_block[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, last block first.
+
+        A request with no blocks (never allocated, or already freed) is a no-op,
+        as in vLLM: schedulers free waiting requests that never got memory.
+        """
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(blocks[::-1])
+
+    # ------------------------------------------------------------- inspection
+    def get_blocks(self, request_id: Hashable) -> list[KVCacheBlock]:
+        """The request's block table (the live list: do not mutate)."""
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: Hashable) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Return the counters since the last call and start new ones (``None`` if not logging)."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.block_pool.reset_prefix_cache()
+        if ok and self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return ok
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()

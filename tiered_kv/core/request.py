@@ -1,0 +1,110 @@
+"""The request record the core needs: tokens, progress and block hashes."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+from tiered_kv.core.block import BlockHash
+from tiered_kv.errors import InvalidArgumentError
+
+
+@dataclass(slots=True, frozen=True)
+class MultiModalFeature:
+    """A multimodal input occupying prompt positions ``[offset, offset + length)``."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+class Request:
+    """A request as the KV bookkeeping sees it.
+
+    Invariants:
+        * ``all_token_ids`` holds only final tokens: the prompt, then sampled
+          output tokens.  Draft/lookahead tokens never enter it, so every hash
+          computed from it is over final content.
+        * ``block_hashes`` covers a prefix of the full blocks of
+          ``all_token_ids`` and only grows (see :class:`BlockHasher`).
+        * ``num_computed_tokens`` is advanced by the scheduler, never by the
+          KV managers, exactly as in vLLM.
+    """
+
+    __slots__ = (
+        "request_id",
+        "all_token_ids",
+        "num_prompt_tokens",
+        "max_tokens",
+        "num_computed_tokens",
+        "block_hashes",
+        "num_preemptions",
+        "lora_name",
+        "mm_features",
+        "cache_salt",
+        "arrival_time",
+        "skip_prefix_cache",
+    )
+
+    def __init__(
+        self,
+        request_id: Hashable,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int = 16,
+        *,
+        lora_name: str | None = None,
+        mm_features: Iterable[MultiModalFeature] = (),
+        cache_salt: str | None = None,
+        arrival_time: float = 0.0,
+        skip_prefix_cache: bool = False,
+    ) -> None:
+        if len(prompt_token_ids) == 0:
+            raise InvalidArgumentError(f"request {request_id!r}: the prompt must have at least one token")
+        if not isinstance(max_tokens, int) or max_tokens < 0:
+            raise InvalidArgumentError(f"request {request_id!r}: max_tokens must be an int >= 0, got {max_tokens!r}")
+        self.request_id = request_id
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.max_tokens = max_tokens
+        self.num_computed_tokens = 0
+        self.block_hashes: list[BlockHash] = []
+        self.num_preemptions = 0
+        self.lora_name = lora_name
+        self.mm_features: tuple[MultiModalFeature, ...] = tuple(mm_features)
+        self.cache_salt = cache_salt
+        self.arrival_time = arrival_time
+        self.skip_prefix_cache = skip_prefix_cache
+
+    @property
+    def num_tokens(self) -> int:
+        """Final tokens so far: prompt plus sampled output."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.num_output_tokens >= self.max_tokens
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append sampled (final) tokens."""
+        if isinstance(token_ids, int):
+            self.all_token_ids.append(token_ids)
+        else:
+            self.all_token_ids.extend(token_ids)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, out={self.num_output_tokens}/{self.max_tokens})"
+        )
