@@ -8,6 +8,8 @@ which blocks are cached, and which blocks each cached prefix maps to (in order).
 
 from __future__ import annotations
 
+import os
+
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -154,5 +156,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.get_num_free_blocks() == NUM_BLOCKS - 1
 
 
-PoolMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+PoolMachine.TestCase.settings = settings(
+    max_examples=int(os.environ.get("TIERED_KV_STATEFUL_EXAMPLES", "200")), stateful_step_count=40, deadline=None
+)
 TestPool = PoolMachine.TestCase

@@ -27,7 +27,7 @@ deque-based free queue.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
 from tiered_kv.core.block import BlockHash, KVCacheBlock
@@ -79,6 +79,9 @@ class BlockPool:
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
         self.kv_event_queue: list[KVCacheEvent] = []
+        # Called by get_new_blocks with (blocks, their old hashes) just evicted, after
+        # the blocks are handed out.  The tier manager uses it to offload-on-evict.
+        self.on_evict: Callable[[list[KVCacheBlock], list[BlockHash]], None] | None = None
 
     # ------------------------------------------------------------------ lookups
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -134,6 +137,7 @@ class BlockPool:
         if self.enable_caching:
             cmap = self.cached_block_hash_to_block
             removed: list[BlockHash] | None = None
+            evicted: list[KVCacheBlock] = []
             for block in ret:
                 h = block.block_hash
                 if h is not None:
@@ -149,9 +153,13 @@ class BlockPool:
                         removed = [h]
                     else:
                         removed.append(h)
+                    evicted.append(block)
                 block.ref_cnt = 1
-            if removed is not None and self.enable_kv_cache_events:
-                self.kv_event_queue.append(BlockRemoved(removed, self.medium))
+            if removed is not None:
+                if self.enable_kv_cache_events:
+                    self.kv_event_queue.append(BlockRemoved(removed, self.medium))
+                if self.on_evict is not None:
+                    self.on_evict(evicted, removed)
         else:
             for block in ret:
                 block.ref_cnt = 1
@@ -266,19 +274,9 @@ class BlockPool:
             else:
                 entry[block.block_id] = block  # type: ignore[index]
         else:
-            new_blocks = blocks[num_cached_blocks:num_full_blocks]
-            for block in new_blocks:
-                if block.block_hash is not None or block.is_null:
-                    raise BlockStateError(f"block {block.block_id} is already cached or null; cannot cache it again")
-            for block, h in zip(new_blocks, hashes[num_cached_blocks:num_full_blocks], strict=True):
-                block.block_hash = h
-                entry = cmap.get(h)
-                if entry is None:
-                    cmap[h] = block
-                elif entry.__class__ is KVCacheBlock:
-                    cmap[h] = {entry.block_id: entry, block.block_id: block}  # type: ignore[union-attr]
-                else:
-                    entry[block.block_id] = block  # type: ignore[index]
+            self.cache_block_hashes(
+                blocks[num_cached_blocks:num_full_blocks], hashes[num_cached_blocks:num_full_blocks]
+            )
         if self.enable_kv_cache_events:
             new_hashes = hashes[num_cached_blocks:num_full_blocks]
             self.kv_event_queue.append(
@@ -291,6 +289,31 @@ class BlockPool:
                     medium=self.medium,
                 )
             )
+
+    def cache_block_hashes(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[BlockHash]) -> None:
+        """Register ``blocks[i]`` under ``hashes[i]`` (all-or-nothing; no event).
+
+        The tier manager uses this to register blocks whose content landed by
+        copy (swap-out, onboarding, offload) rather than by the request's own
+        ``cache_full_blocks``.
+        """
+        if len(blocks) != len(hashes):
+            raise InvalidArgumentError(f"{len(blocks)} blocks but {len(hashes)} hashes")
+        for block in blocks:
+            if block.block_hash is not None or block.is_null:
+                raise BlockStateError(f"block {block.block_id} is already cached or null; cannot cache it again")
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise BlockStateError("a block is listed twice")
+        cmap = self.cached_block_hash_to_block
+        for block, h in zip(blocks, hashes, strict=True):
+            block.block_hash = h
+            entry = cmap.get(h)
+            if entry is None:
+                cmap[h] = block
+            elif entry.__class__ is KVCacheBlock:
+                cmap[h] = {entry.block_id: entry, block.block_id: block}  # type: ignore[union-attr]
+            else:
+                entry[block.block_id] = block  # type: ignore[index]
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash.  Refuses (returns ``False``, changes nothing) while any block is held."""

@@ -24,7 +24,7 @@ Both start from a root hash derived from a seed, so runs are reproducible
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -61,14 +61,36 @@ def _encode(obj: object, out: bytearray) -> None:
         raise HashingError(f"cannot hash extra key of type {type(obj).__name__}: {obj!r}")
 
 
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
 def sha256_block_hash(parent: BlockHash, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> bytes:
-    """SHA-256 over ``parent || tokens (int64 LE) || extra keys`` in a canonical encoding."""
-    buf = bytearray()
-    _encode(parent, buf)
-    buf += len(token_ids).to_bytes(4, "little")
-    buf += array("q", token_ids).tobytes()
-    _encode(extra_keys, buf)
-    return hashlib.sha256(buf).digest()
+    """SHA-256 over a canonical byte layout.
+
+    Layout: ``parent || uint32 n || n x int64 tokens (little endian)``, then, only
+    when there are extra keys, ``"X" || tagged encoding of the keys``.  The parent
+    is a 32-byte digest for every block but the first, whose parent (the root
+    seed) is given in the tagged encoding, which never has 32 bytes; so the
+    layout is unambiguous.
+    """
+    n = len(token_ids)
+    pack = _PACKERS.get(n)
+    if pack is None:
+        pack = _PACKERS[n] = struct.Struct(f"<I{n}q").pack
+    if parent.__class__ is bytes and len(parent) == 32:  # type: ignore[arg-type]
+        head = parent
+    else:
+        buf = bytearray()
+        _encode(parent, buf)
+        head = bytes(buf)
+    body = pack(n, *token_ids)
+    if extra_keys is None:
+        return hashlib.sha256(head + body).digest()  # type: ignore[operator]
+    out = bytearray(head)  # type: ignore[arg-type]
+    out += body
+    out += b"X"
+    _encode(extra_keys, out)
+    return hashlib.sha256(out).digest()
 
 
 _STR_INTS: dict[object, int] = {}

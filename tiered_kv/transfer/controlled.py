@@ -1,0 +1,93 @@
+"""A copy engine whose completions the caller controls, for tests and the simulator.
+
+Nothing completes by itself: the test completes, fails, cancels or reorders
+plans explicitly.  An optional ``on_complete`` callback performs the actual
+copy at completion time (tests use it to move real bytes), so fault tests can
+check that a failed plan never touched its destination.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tiered_kv.errors import PlanError, TransferError
+from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
+
+
+class ControlledCopyEngine:
+    """Handles stay pending until :meth:`complete`, :meth:`fail` or :meth:`cancel`.
+
+    Args:
+        num_blocks: ``{"GPU": n, "CPU": m}`` pool sizes for plan validation.
+        bytes_per_block: Reported in handles.
+        on_complete: Called with the plan just before it is marked done.
+    """
+
+    def __init__(
+        self,
+        num_blocks: dict[str, int] | None = None,
+        bytes_per_block: int = 0,
+        on_complete: Callable[[TransferPlan], None] | None = None,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.bytes_per_block = bytes_per_block
+        self.on_complete = on_complete
+        self.pending: dict[int, TransferHandle] = {}
+        self.submitted: list[TransferPlan] = []
+
+    def submit(self, plan: TransferPlan) -> TransferHandle:
+        if self.num_blocks is not None:
+            plan.validate(self.num_blocks[plan.src_medium], self.num_blocks[plan.dst_medium])
+        if plan.plan_id in self.pending:
+            raise PlanError(f"plan {plan.plan_id} is already in flight")
+        handle = TransferHandle(plan, num_bytes=plan.num_blocks * self.bytes_per_block)
+        self.pending[plan.plan_id] = handle
+        self.submitted.append(plan)
+        return handle
+
+    def pending_ids(self) -> list[int]:
+        """Plan ids not yet final, in submission order."""
+        return list(self.pending)
+
+    def _take(self, plan_id: int) -> TransferHandle:
+        try:
+            return self.pending.pop(plan_id)
+        except KeyError:
+            raise PlanError(f"plan {plan_id} is not pending in this engine") from None
+
+    def complete(self, plan_id: int) -> TransferHandle:
+        """Finish a plan successfully (running ``on_complete`` first).
+
+        A plan whose ``wait_for`` plans are still pending cannot complete: a real
+        engine orders it after them, so the test must complete those first.
+        """
+        handle = self.pending.get(plan_id)
+        if handle is not None:
+            blocked = [w for w in handle.plan.wait_for if w in self.pending]
+            if blocked:
+                raise PlanError(f"plan {plan_id} must wait for plan(s) {blocked} to finish first")
+        handle = self._take(plan_id)
+        handle._start()
+        if self.on_complete is not None:
+            self.on_complete(handle.plan)
+        handle._finish(TransferStatus.DONE)
+        return handle
+
+    def fail(self, plan_id: int, reason: str = "injected failure") -> TransferHandle:
+        handle = self._take(plan_id)
+        handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan_id}: {reason}"))
+        return handle
+
+    def cancel(self, handle: TransferHandle) -> bool:
+        if handle.plan.plan_id not in self.pending:
+            return False
+        self.pending.pop(handle.plan.plan_id)
+        return handle._finish(TransferStatus.CANCELLED, TransferError(f"plan {handle.plan.plan_id}: cancelled"))
+
+    def complete_all(self) -> list[TransferHandle]:
+        """Complete every pending plan in submission order."""
+        return [self.complete(pid) for pid in list(self.pending)]
+
+    def complete_in_order(self, plan_ids: list[int]) -> list[TransferHandle]:
+        """Complete the given plans in the given (possibly reordered) order."""
+        return [self.complete(pid) for pid in plan_ids]

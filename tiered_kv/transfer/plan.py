@@ -1,0 +1,173 @@
+"""TransferPlan and TransferHandle: the interface between the manager and the copy engines.
+
+The manager (layer 2) decides *which* blocks move and emits a plan; a copy
+engine (layer 1) moves the bytes asynchronously and reports through a handle.
+This module is standard library only, so the manager and its tests never need
+torch.
+
+Lifecycle of a handle: ``PENDING`` -> (``RUNNING``) -> ``DONE`` | ``FAILED`` |
+``CANCELLED``.  A handle that is not ``DONE`` guarantees the destination holds
+nothing the caller may read, and the source was never modified: plans only
+read their source.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from tiered_kv.errors import PlanError, TransferError
+
+GPU = "GPU"
+CPU = "CPU"
+
+
+class PlanKind(str, enum.Enum):
+    """Why a plan exists; engines use it to pick a lane (swap-in is urgent)."""
+
+    SWAP_OUT = "swap_out"  # preemption: GPU -> CPU, GPU blocks freed on completion
+    SWAP_IN = "swap_in"  # resume: CPU -> GPU, request runnable on completion
+    ONBOARD = "onboard"  # CPU prefix hit for a new request: CPU -> GPU
+    OFFLOAD = "offload"  # write-through / on-evict copy of cached blocks: GPU -> CPU
+    COPY = "copy"  # anything else (benchmarks, tests)
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """Copy ``src_block_ids[i]`` of ``src_medium`` to ``dst_block_ids[i]`` of ``dst_medium``.
+
+    Attributes:
+        plan_id: Unique per manager; handles and decision logs refer to it.
+        request_id: The request the plan serves (``None`` for cache offloads).
+        urgent: Swap-ins and onboards: a request waits on them.
+        wait_for: Plan ids that must complete before this one may write its
+            destination (on-evict: the old contents must be copied out first).
+    """
+
+    plan_id: int
+    src_medium: str
+    dst_medium: str
+    src_block_ids: tuple[int, ...]
+    dst_block_ids: tuple[int, ...]
+    kind: PlanKind = PlanKind.COPY
+    request_id: Hashable | None = None
+    urgent: bool = False
+    wait_for: tuple[int, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.src_block_ids)
+
+    @property
+    def direction(self) -> str:
+        """``"D2H"`` (GPU to CPU), ``"H2D"`` (CPU to GPU), or ``"D2D"``/``"H2H"``."""
+        a = "D" if self.src_medium == GPU else "H"
+        b = "D" if self.dst_medium == GPU else "H"
+        return f"{a}2{b}"
+
+    def validate(self, num_src_blocks: int, num_dst_blocks: int) -> None:
+        """Raise :class:`PlanError` unless the plan can be executed against pools of these sizes.
+
+        Checked before anything is copied: equal lengths, ids within range,
+        never the null block 0, no destination written twice, and no overlap
+        between source and destination within the same tier.
+        """
+        src, dst = self.src_block_ids, self.dst_block_ids
+        if len(src) != len(dst):
+            raise PlanError(f"plan {self.plan_id}: {len(src)} source ids but {len(dst)} destination ids")
+        for name, ids, limit in (("source", src, num_src_blocks), ("destination", dst, num_dst_blocks)):
+            for i in ids:
+                if i.__class__ is not int or not 0 <= i < limit:
+                    raise PlanError(f"plan {self.plan_id}: {name} id {i!r} out of range [0, {limit})")
+                if i == 0:
+                    raise PlanError(f"plan {self.plan_id}: {name} lists the null block 0")
+        if len(set(dst)) != len(dst):
+            seen: set[int] = set()
+            dup = next(i for i in dst if i in seen or seen.add(i))  # type: ignore[func-returns-value]
+            raise PlanError(f"plan {self.plan_id}: destination block {dup} listed twice")
+        if self.src_medium == self.dst_medium and set(src) & set(dst):
+            raise PlanError(f"plan {self.plan_id}: source and destination overlap within {self.src_medium}")
+
+
+class TransferStatus(str, enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL = frozenset({TransferStatus.DONE, TransferStatus.FAILED, TransferStatus.CANCELLED})
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """The caller's view of one submitted plan.
+
+    Engines finish a handle exactly once through :meth:`_finish`; waiting is on
+    a ``threading.Event``, so a worker thread may complete it.
+
+    Attributes:
+        plan: The plan being executed.
+        num_bytes: Bytes the plan moves (set by the engine).
+        elapsed_s: Seconds from start to finish (set when final).
+        error: Why it failed or was cancelled.
+    """
+
+    plan: TransferPlan
+    num_bytes: int = 0
+    status: TransferStatus = TransferStatus.PENDING
+    error: BaseException | None = None
+    elapsed_s: float = 0.0
+    submitted_at: float = field(default_factory=time.perf_counter)
+    _event: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def done(self) -> bool:
+        """True once the handle is final (done, failed or cancelled)."""
+        return self._event.is_set()
+
+    @property
+    def ok(self) -> bool:
+        """True only if the copy completed successfully."""
+        return self.status is TransferStatus.DONE
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until final or ``timeout``; return whether the copy succeeded."""
+        self._event.wait(timeout)
+        return self.ok
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait, then raise :class:`TransferError` unless the copy succeeded."""
+        if not self._event.wait(timeout):
+            raise TransferError(f"plan {self.plan.plan_id}: not finished after {timeout} s")
+        if not self.ok:
+            raise TransferError(f"plan {self.plan.plan_id} {self.status.value}: {self.error}") from self.error
+
+    def _start(self) -> bool:
+        """Mark running; False if it was cancelled first."""
+        with self._lock:
+            if self.status is not TransferStatus.PENDING:
+                return False
+            self.status = TransferStatus.RUNNING
+            return True
+
+    def _finish(self, status: TransferStatus, error: BaseException | None = None) -> bool:
+        """Make the handle final; returns False (and changes nothing) if it already was."""
+        assert status in FINAL, status
+        with self._lock:
+            if self.status in FINAL:
+                return False
+            self.status = status
+            self.error = error
+            self.elapsed_s = time.perf_counter() - self.submitted_at
+        self._event.set()
+        return True
+
+
+def check_ids(ids: Sequence[int]) -> tuple[int, ...]:
+    """Normalise block ids to a tuple of ints."""
+    return tuple(int(i) for i in ids)
