@@ -144,8 +144,10 @@ def run(
                 timed("preempt_self", tm.preempt_request, rid, "recompute")
                 waiting.append(req)
                 continue
+            in_prefill = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += pending
-            timed("on_tokens_computed", tm.on_tokens_computed, rid)
+            if in_prefill:  # only prompt steps can fill blocks to write through
+                timed("on_tokens_computed", tm.on_tokens_computed, rid)
             still.append(rid)
         # requests preempted as victims this step leave the running list next step
         running = still
@@ -173,11 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--running", type=int, default=256)
-    ap.add_argument("--gpu-blocks", type=int, default=8000)
-    ap.add_argument("--cpu-blocks", type=int, default=16000)
+    ap.add_argument("--gpu-blocks", type=int, default=3500)
+    ap.add_argument("--cpu-blocks", type=int, default=12000)
     ap.add_argument("--hash", default="sha256", choices=["sha256", "fast"])
     ap.add_argument("--offload", default="write_through", choices=["none", "write_through", "on_evict"])
     ap.add_argument("--policies", default="lru,largest,prefill_aware,cost_aware")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per policy; the fastest is reported")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     print(

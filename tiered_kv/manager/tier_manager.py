@@ -410,7 +410,9 @@ class TierManager:
         """Tell the manager the step that computed the request's tokens has finished.
 
         With write-through offload, full prompt blocks computed so far and not yet
-        on the CPU are copied there now (their KV is final and written).
+        on the CPU are copied there now (their KV is final and written).  Only
+        steps that computed prompt tokens can produce such blocks, so schedulers
+        may skip the call on decode steps.
         """
         e = self._entry(request_id)
         if self.offload != "write_through" or e.state is not RequestState.RUNNING or self.cpu_pool is None:
