@@ -14,10 +14,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="walk through the prefix-cached block pool step by step")
     demo.add_argument("--hash", default="sha256", choices=["sha256", "fast"], help="block hash function")
+    sub.add_parser("bench-transfer", help="measure copy-engine bandwidth against one contiguous copy", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench-transfer"]:
+        from tiered_kv.tools.bench_transfer import main as bench_transfer
+
+        return bench_transfer(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from tiered_kv.demo import run_walkthrough

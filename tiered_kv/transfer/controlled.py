@@ -82,7 +82,7 @@ class ControlledCopyEngine:
         if handle.plan.plan_id not in self.pending:
             return False
         self.pending.pop(handle.plan.plan_id)
-        return handle._finish(TransferStatus.CANCELLED, TransferError(f"plan {handle.plan.plan_id}: cancelled"))
+        return handle._cancel_if_pending(TransferError(f"plan {handle.plan.plan_id}: cancelled"))
 
     def complete_all(self) -> list[TransferHandle]:
         """Complete every pending plan in submission order."""

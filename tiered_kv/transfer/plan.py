@@ -155,6 +155,17 @@ class TransferHandle:
             self.status = TransferStatus.RUNNING
             return True
 
+    def _cancel_if_pending(self, error: BaseException) -> bool:
+        """Cancel atomically if no copy has started; a running plan must be stopped by its engine."""
+        with self._lock:
+            if self.status is not TransferStatus.PENDING:
+                return False
+            self.status = TransferStatus.CANCELLED
+            self.error = error
+            self.elapsed_s = time.perf_counter() - self.submitted_at
+        self._event.set()
+        return True
+
     def _finish(self, status: TransferStatus, error: BaseException | None = None) -> bool:
         """Make the handle final; returns False (and changes nothing) if it already was."""
         assert status in FINAL, status

@@ -1,0 +1,259 @@
+"""Transfer benchmark: our copy engine against one contiguous copy of the same bytes.
+
+For each layout, block size (16/32/64/128 tokens), id pattern (contiguous,
+scattered, interleaved swap-in + swap-out) and direction it measures the
+engine's bandwidth and, in the same run, the bandwidth of one contiguous copy
+of the same number of bytes between the same two tiers (``peak_gbps``).  On a
+GPU it adds vLLM v0's way, a ``cudaMemcpyAsync`` per block per layer.
+
+Each case prints a table row and, with ``--json``, writes one JSON row with
+``layout, block_tokens, kv_shape, pattern, direction, engine, gbps, peak_gbps, ratio``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.storage.spec import LAYOUTS, LLAMA3_8B, KVSpec
+from tiered_kv.transfer.plan import PlanKind, TransferPlan
+
+GB = 1e9
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()  # benchmark timing only, not library code
+
+
+def _best(fn: Callable[[], float], repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def make_engine(tiers: dict[str, KVStorage], name: str):
+    if name == "cuda":
+        from tiered_kv.transfer.cuda_engine import TorchCudaCopyEngine
+
+        return TorchCudaCopyEngine(tiers)
+    if name == "cupy":
+        from tiered_kv.transfer.cupy_engine import CupyCopyEngine
+
+        return CupyCopyEngine(tiers)
+    from tiered_kv.transfer.cpu_engine import CpuCopyEngine
+
+    return CpuCopyEngine(tiers)
+
+
+def id_pattern(pattern: str, n: int, pool: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    """Source and destination ids: contiguous runs, or random scattered blocks of a pool."""
+    if pattern == "contiguous":
+        return list(range(1, n + 1)), list(range(1, n + 1))
+    src = rng.sample(range(1, pool), n)
+    dst = rng.sample(range(1, pool), n)
+    return src, dst
+
+
+class _Bench:
+    """Times one engine over one pair of tiers: plans through the engine, and the contiguous anchor."""
+
+    def __init__(self, tiers: dict[str, KVStorage], engine: object, repeats: int) -> None:
+        self.tiers = tiers
+        self.flat = {m: t.byte_view() for m, t in tiers.items()}
+        self.engine = engine
+        self.repeats = repeats
+        self.next_id = 0
+
+    def plan(self, src_m: str, dst_m: str, src: Sequence[int], dst: Sequence[int]) -> TransferPlan:
+        self.next_id += 1
+        kind = PlanKind.SWAP_IN if dst_m == "GPU" else PlanKind.SWAP_OUT
+        return TransferPlan(self.next_id, src_m, dst_m, tuple(src), tuple(dst), kind, urgent=dst_m == "GPU")
+
+    def engine_time(self, specs: list[tuple[str, str, Sequence[int], Sequence[int]]]) -> float:
+        """Best wall time to submit these plans together and wait for all of them."""
+
+        def once() -> float:
+            plans = [self.plan(*sp) for sp in specs]
+            _sync()
+            t0 = time.perf_counter()
+            handles = [self.engine.submit(p) for p in plans]  # type: ignore[attr-defined]
+            for h in handles:
+                if not h.wait(60):
+                    raise RuntimeError(f"plan {h.plan.plan_id} failed: {h.error}")
+            return time.perf_counter() - t0
+
+        return _best(once, self.repeats)
+
+    def peak_time(self, src_m: str, dst_m: str, nbytes: int) -> float:
+        """Best time of one contiguous copy of ``nbytes`` between the same two tiers."""
+        src, dst = self.flat[src_m][:nbytes], self.flat[dst_m][:nbytes]
+
+        def once() -> float:
+            _sync()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            _sync()
+            return time.perf_counter() - t0
+
+        return _best(once, self.repeats)
+
+
+def run_cases(
+    spec: KVSpec = LLAMA3_8B,
+    block_tokens: Sequence[int] = (16, 32, 64, 128),
+    layouts: Sequence[str] = LAYOUTS,
+    bytes_per_case: int = 128 << 20,
+    engines: Sequence[str] | None = None,
+    repeats: int = 3,
+    seed: int = 0,
+    emit: Callable[[str], None] = print,
+) -> list[dict[str, object]]:
+    cuda = torch.cuda.is_available()
+    if engines is None:
+        engines = ["cuda"] if cuda else ["cpu"]
+        try:
+            import cupy  # noqa: F401
+
+            if cuda:
+                engines = [*engines, "cupy"]
+        except ImportError:
+            pass
+    rows: list[dict[str, object]] = []
+    emit(
+        f"{'engine':10} {'layout':16} {'tok':>4} {'pattern':12} {'dir':5} {'MiB':>6} {'GB/s':>8} "
+        f"{'peak':>8} {'ratio':>6}"
+    )
+    for layout in layouts:
+        for bt in block_tokens:
+            s = spec.with_block_size(bt)
+            n = max(bytes_per_case // s.bytes_per_block, 2)
+            half = 2 * n + 1  # ids 1..half-1 for one direction, half..2*half-2 for the other
+            pool = 2 * half
+            tiers = {"GPU": KVStorage(s, pool, "GPU", layout), "CPU": KVStorage(s, pool, "CPU", layout)}
+            for t in tiers.values():
+                t.byte_view().fill_(1)  # touch every page before timing
+            nbytes = n * s.bytes_per_block
+            rng = random.Random(seed)
+            for eng_name in engines:
+                engine = make_engine(tiers, eng_name)
+                bench = _Bench(tiers, engine, repeats)
+                cases: list[tuple[str, str, list[tuple[str, str, list[int], list[int]]], int]] = []
+                for pattern in ("contiguous", "scattered"):
+                    for src_m, dst_m, d in (("GPU", "CPU", "D2H"), ("CPU", "GPU", "H2D")):
+                        a, b = id_pattern(pattern, n, half, rng)
+                        cases.append((pattern, d, [(src_m, dst_m, a, b)], nbytes))
+                a, b = id_pattern("scattered", n, half, rng)
+                c, d = id_pattern("scattered", n, half, rng)
+                out_ids = (a, b)
+                in_ids = ([x + half - 1 for x in c], [x + half - 1 for x in d])
+                cases.append(("interleaved", "both", [("GPU", "CPU", *out_ids), ("CPU", "GPU", *in_ids)], 2 * nbytes))
+                for pattern, direction, specs, moved in cases:
+                    dt = bench.engine_time(specs)
+                    pk = bench.peak_time(specs[0][0], specs[0][1], moved)
+                    row = {
+                        "engine": eng_name,
+                        "layout": layout,
+                        "block_tokens": bt,
+                        "kv_shape": f"{s.num_layers}x{s.num_kv_heads}x{s.head_dim} {s.dtype}",
+                        "pattern": pattern,
+                        "direction": direction,
+                        "bytes": moved,
+                        "seconds": dt,
+                        "gbps": moved / dt / GB,
+                        "peak_gbps": moved / pk / GB,
+                        "ratio": pk / dt,
+                    }
+                    rows.append(row)
+                    emit(
+                        f"{eng_name:10} {layout:16} {bt:4d} {pattern:12} {direction:5} {moved >> 20:6d} "
+                        f"{row['gbps']:8.2f} {row['peak_gbps']:8.2f} {row['ratio']:6.2f}"
+                    )
+                if hasattr(engine, "close"):
+                    engine.close()
+            if cuda:
+                rows.extend(_vllm_v0_loop(tiers, s, layout, n, half, rng, repeats, emit))
+    return rows
+
+
+def _vllm_v0_loop(
+    tiers, s: KVSpec, layout: str, n: int, half: int, rng: random.Random, repeats: int, emit: Callable[[str], None]
+) -> list[dict[str, object]]:
+    """vLLM v0's swap_blocks: one cudaMemcpyAsync per block, per layer, per K/V."""
+    rows = []
+    for pattern in ("contiguous", "scattered"):
+        for src_m, dst_m, d in (("GPU", "CPU", "D2H"), ("CPU", "GPU", "H2D")):
+            a, b = id_pattern(pattern, n, half, rng)
+            src, dst = tiers[src_m], tiers[dst_m]
+
+            def once(a=a, b=b, src=src, dst=dst) -> float:
+                _sync()
+                t0 = time.perf_counter()
+                for layer in range(s.num_layers):
+                    sk, sv = src.layer_kv(layer)
+                    dk, dv = dst.layer_kv(layer)
+                    for x, y in zip(a, b, strict=True):
+                        dk[y].copy_(sk[x], non_blocking=True)
+                        dv[y].copy_(sv[x], non_blocking=True)
+                _sync()
+                return time.perf_counter() - t0
+
+            dt = _best(once, repeats)
+            moved = n * s.bytes_per_block
+            rows.append(
+                {
+                    "engine": "vllm_v0_loop",
+                    "layout": layout,
+                    "block_tokens": s.block_size,
+                    "kv_shape": f"{s.num_layers}x{s.num_kv_heads}x{s.head_dim} {s.dtype}",
+                    "pattern": pattern,
+                    "direction": d,
+                    "bytes": moved,
+                    "seconds": dt,
+                    "gbps": moved / dt / GB,
+                    "peak_gbps": float("nan"),
+                    "ratio": float("nan"),
+                }
+            )
+            emit(
+                f"{'vllm_v0':10} {layout:16} {s.block_size:4d} {pattern:12} {d:5} {moved >> 20:6d} "
+                f"{moved / dt / GB:8.2f}"
+            )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tiered-kv bench-transfer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, help="write one JSON row per case")
+    ap.add_argument("--mib", type=int, default=128, help="MiB moved per case and direction")
+    ap.add_argument("--block-tokens", default="16,32,64,128")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--engines", default=None, help="cpu, cuda, cupy (default: what this machine has)")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"
+    print(
+        f"device: {dev}; torch {torch.__version__}; KV shape {LLAMA3_8B.num_layers} layers x "
+        f"{LLAMA3_8B.num_kv_heads} KV heads x {LLAMA3_8B.head_dim} {LLAMA3_8B.dtype}"
+    )
+    rows = run_cases(
+        block_tokens=[int(x) for x in args.block_tokens.split(",")],
+        layouts=args.layouts.split(","),
+        bytes_per_case=args.mib << 20,
+        engines=args.engines.split(",") if args.engines else None,
+        repeats=args.repeats,
+    )
+    if args.json:
+        args.json.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        print(f"wrote {len(rows)} rows to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
