@@ -1,0 +1,296 @@
+"""Simulator configs: YAML, validated so that every error names its key.
+
+Resolution adds the derived numbers (GPU/CPU blocks, link bandwidth, the
+manager's cost model) and checks what one key alone cannot: a model whose
+weights do not fit, a CPU tier larger than host memory, a swap run without a
+CPU tier, or requests larger than the whole GPU KV pool.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.policies import POLICIES
+from tiered_kv.sim.compute import ComputeModel
+from tiered_kv.sim.profiles import CONFIG_DIR, HardwareProfile, ModelProfile, load_hardware, load_model
+from tiered_kv.sim.schema import (
+    Field,
+    choice,
+    fraction,
+    integer,
+    non_negative,
+    num,
+    positive,
+    power_of_two,
+    probability,
+    validate,
+)
+
+GIB = 1 << 30
+DEFAULT_CONFIG = CONFIG_DIR / "oversubscribed-llama3-8b-h200.yaml"
+
+
+def _length(default_dist: str, value: int) -> dict[str, Any]:
+    return {
+        "dist": choice(default_dist, "fixed", "uniform", "lognormal"),
+        "value": integer(value, positive),
+        "low": integer(1, positive),
+        "high": integer(max(value, 1), positive),
+        "mean": num(float(value), positive),
+        "sigma": num(0.5, positive),
+        "min": integer(1, positive),
+        "max": integer(1 << 20, positive),
+    }
+
+
+RUN_SCHEMA = {
+    "name": Field((str,)),
+    "policy": choice("lru", *sorted(POLICIES)),
+    "mode": choice("auto", "swap", "recompute", "auto"),
+    "offload": choice("none", "none", "write_through", "on_evict"),
+    "cpu_kv_gib": num(None, non_negative, nullable=True),
+    "gpu_kv_gib": num(None, positive, nullable=True),
+}
+
+SCHEMA: dict[str, Any] = {
+    "name": Field((str,), "experiment"),
+    "seed": integer(0, non_negative),
+    "hardware": Field((str, dict), "h200"),
+    "model": Field((str, dict), "llama3-8b"),
+    "hash": choice("fast", "fast", "sha256"),
+    "memory": {
+        "block_size": integer(16, power_of_two),
+        "gpu_memory_utilization": num(0.9, fraction),
+        "gpu_kv_gib": num(None, positive, nullable=True),
+        "cpu_kv_gib": num(64.0, non_negative),
+        "host_memory_gib": num(1024.0, positive),
+        "activation_reserve_gib": num(2.0, non_negative),
+    },
+    "scheduler": {
+        "max_num_batched_tokens": integer(8192, positive),
+        "max_num_seqs": integer(256, positive),
+        "chunked_prefill": Field((bool,), True),
+    },
+    "compute": {
+        "mfu": num(0.5, fraction),
+        "hbm_efficiency": num(0.8, fraction),
+        "step_overhead_s": num(5e-4, non_negative),
+        "fixed_step_s": num(None, positive, nullable=True),
+    },
+    "link": {
+        "gbps_per_direction": num(None, non_negative, nullable=True),
+        "per_copy_overhead_s": num(None, non_negative, nullable=True),
+    },
+    "workload": {
+        "num_requests": integer(1000, positive),
+        "arrival": {
+            "process": choice("poisson", "poisson", "bursty", "fixed"),
+            "rate": num(10.0, positive),
+            "burst_size": integer(8, positive),
+        },
+        "prompt_len": _length("uniform", 512),
+        "output_len": _length("uniform", 256),
+        "system_prompts": {
+            "count": integer(0, non_negative),
+            "length": integer(256, positive),
+            "zipf": num(1.1, positive),
+            "share": num(0.5, probability),
+        },
+        "multi_turn": {"prob": num(0.0, probability), "max_turns": integer(4, positive)},
+        "trace": Field((str,), None, nullable=True),
+    },
+    "runs": Field((list,), None, nullable=True),
+    "sweep": {
+        "gpu_kv_gib": Field((list,), None, nullable=True),
+        "rate": Field((list,), None, nullable=True),
+    },
+}
+
+DEFAULT_RUNS = [
+    {"name": "recompute-only", "policy": "lru", "mode": "recompute", "offload": "none", "cpu_kv_gib": 0},
+    {"name": "always-swap", "policy": "lru", "mode": "swap", "offload": "none"},
+    {"name": "cost-aware+cpu-tier", "policy": "cost_aware", "mode": "auto", "offload": "write_through"},
+]
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """Everything one simulated run needs, derived from a validated config and one ``runs`` entry."""
+
+    name: str
+    policy: str
+    mode: str
+    offload: str
+    hardware: HardwareProfile
+    model: ModelProfile
+    compute: ComputeModel
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    gpu_kv_gib: float
+    cpu_kv_gib: float
+    link_bytes_per_s: float
+    per_copy_overhead_s: float
+    cost_model: CostModel
+    hash_fn: str
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    chunked_prefill: bool
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read and validate a YAML config (``None``: the default experiment)."""
+    import yaml
+
+    p = Path(path) if path is not None else DEFAULT_CONFIG
+    if not p.exists() and path is not None and not str(path).endswith((".yaml", ".yml")):
+        p = CONFIG_DIR / f"{path}.yaml"
+    if not p.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+    if overrides:
+        raw = copy.deepcopy(raw or {})
+        for dotted, value in overrides.items():
+            node = raw
+            *parents, leaf = dotted.split(".")
+            for k in parents:
+                node = node.setdefault(k, {})
+            node[leaf] = value
+    cfg = validate_config(raw)
+    if cfg["name"] == "experiment":
+        cfg["name"] = p.stem
+    return cfg
+
+
+def _check_length(spec: dict[str, Any], key: str) -> None:
+    if spec["low"] > spec["high"]:
+        raise ConfigError(f"{key}.low: must be <= {key}.high ({spec['high']}), got {spec['low']}")
+    if spec["min"] > spec["max"]:
+        raise ConfigError(f"{key}.min: must be <= {key}.max ({spec['max']}), got {spec['min']}")
+
+
+def max_length(spec: dict[str, Any]) -> int:
+    top = {"fixed": spec["value"], "uniform": spec["high"], "lognormal": spec["max"]}[spec["dist"]]
+    return min(top, spec["max"])
+
+
+def validate_config(raw: Any) -> dict[str, Any]:
+    cfg = validate(raw, SCHEMA)
+    mem = cfg["memory"]
+    if mem["cpu_kv_gib"] > mem["host_memory_gib"]:
+        raise ConfigError(
+            f"memory.cpu_kv_gib: {mem['cpu_kv_gib']} GiB exceeds memory.host_memory_gib ({mem['host_memory_gib']} GiB)"
+        )
+    w = cfg["workload"]
+    _check_length(w["prompt_len"], "workload.prompt_len")
+    _check_length(w["output_len"], "workload.output_len")
+    runs = cfg["runs"] if cfg["runs"] is not None else copy.deepcopy(DEFAULT_RUNS)
+    if not runs:
+        raise ConfigError("runs: must list at least one run")
+    cfg["runs"] = [validate(r, RUN_SCHEMA, f"runs[{i}]") for i, r in enumerate(runs)]
+    names = [r["name"] for r in cfg["runs"]]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"runs: run names must be unique, got {names}")
+    for key in ("gpu_kv_gib", "rate"):
+        vals = cfg["sweep"][key]
+        if vals is not None:
+            for i, v in enumerate(vals):
+                if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+                    raise ConfigError(f"sweep.{key}[{i}]: must be a number > 0, got {v!r}")
+    for i in range(len(cfg["runs"])):
+        setup(cfg, i)  # resolve every run now, so impossible values fail before any simulation
+    return cfg
+
+
+def setup(cfg: dict[str, Any], run_index: int) -> RunSetup:
+    """Derive block counts, link and cost model for one run; raise ConfigError naming the key."""
+    run = cfg["runs"][run_index]
+    rkey = f"runs[{run_index}]"
+    hw = load_hardware(cfg["hardware"])
+    model = load_model(cfg["model"])
+    mem = cfg["memory"]
+    bs = mem["block_size"]
+    usable = hw.memory_gib * mem["gpu_memory_utilization"] - mem["activation_reserve_gib"]
+    weights = model.weight_bytes_per_gpu / GIB
+    if weights >= usable:
+        raise ConfigError(
+            f"model: {model.name} needs {weights:.1f} GiB of weights per GPU but {hw.name} has only "
+            f"{usable:.1f} GiB usable (memory.gpu_memory_utilization x {hw.memory_gib} GiB - activation reserve)"
+        )
+    gpu_kv = run["gpu_kv_gib"] if run["gpu_kv_gib"] is not None else mem["gpu_kv_gib"]
+    gkey = f"{rkey}.gpu_kv_gib" if run["gpu_kv_gib"] is not None else "memory.gpu_kv_gib"
+    if gpu_kv is None:
+        gpu_kv = usable - weights
+    elif gpu_kv > usable - weights:
+        raise ConfigError(
+            f"{gkey}: {gpu_kv} GiB of KV does not fit next to {weights:.1f} GiB of weights in {usable:.1f} GiB"
+        )
+    cpu_kv = run["cpu_kv_gib"] if run["cpu_kv_gib"] is not None else mem["cpu_kv_gib"]
+    ckey = f"{rkey}.cpu_kv_gib" if run["cpu_kv_gib"] is not None else "memory.cpu_kv_gib"
+    if cpu_kv > mem["host_memory_gib"]:
+        raise ConfigError(f"{ckey}: {cpu_kv} GiB exceeds memory.host_memory_gib ({mem['host_memory_gib']} GiB)")
+    block_bytes = bs * model.kv_bytes_per_token
+    n_gpu = int(gpu_kv * GIB // block_bytes)
+    n_cpu = int(cpu_kv * GIB // block_bytes)
+    if n_gpu < 2:
+        raise ConfigError(f"{gkey}: {gpu_kv} GiB holds fewer than 2 blocks of {block_bytes} bytes")
+    if 0 < n_cpu < 2:
+        raise ConfigError(f"{ckey}: {cpu_kv} GiB is non-zero but holds fewer than 2 blocks of {model.name} KV")
+    if n_cpu == 0 and (run["mode"] == "swap" or run["offload"] != "none"):
+        what = "mode: swap" if run["mode"] == "swap" else f"offload: {run['offload']}"
+        raise ConfigError(f"{rkey}.{what.split(':')[0]}: {what} needs a CPU tier, but {ckey} is 0")
+    w = cfg["workload"]
+    if w["trace"] is None:
+        # A conversation resends every earlier turn; the system prompt is sent once.
+        turns = w["multi_turn"]["max_turns"] if w["multi_turn"]["prob"] > 0 else 1
+        longest = turns * (max_length(w["prompt_len"]) + max_length(w["output_len"]))
+        longest += w["system_prompts"]["length"] if w["system_prompts"]["count"] else 0
+        if -(-longest // bs) > n_gpu - 1:
+            raise ConfigError(
+                f"workload.prompt_len: the longest request ({longest} tokens) needs more than the "
+                f"{n_gpu - 1} GPU blocks of {gkey}; it could never run"
+            )
+    link = cfg["link"]
+    bw = link["gbps_per_direction"] * 1e9 if link["gbps_per_direction"] is not None else hw.pcie_bytes_per_s
+    ovh = link["per_copy_overhead_s"] if link["per_copy_overhead_s"] is not None else hw.per_copy_overhead_s
+    c = cfg["compute"]
+    compute = ComputeModel(hw, model, c["mfu"], c["hbm_efficiency"], c["step_overhead_s"], c["fixed_step_s"])
+    cost = CostModel(
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        block_size=bs,
+        d2h_bytes_per_s=bw,
+        h2d_bytes_per_s=bw,
+        per_copy_overhead_s=ovh,
+        prefill_tokens_per_s=compute.prefill_tokens_per_s(),
+        prefill_quadratic_s_per_token2=compute.prefill_quadratic(),
+    )
+    s = cfg["scheduler"]
+    return RunSetup(
+        run["name"],
+        run["policy"],
+        run["mode"],
+        run["offload"],
+        hw,
+        model,
+        compute,
+        bs,
+        n_gpu,
+        max(n_cpu, 0),
+        gpu_kv,
+        cpu_kv,
+        bw,
+        ovh,
+        cost,
+        cfg["hash"],
+        s["max_num_batched_tokens"],
+        s["max_num_seqs"],
+        s["chunked_prefill"],
+    )

@@ -1,0 +1,50 @@
+"""Discrete-event core: an event heap of ``(time, sequence, kind, payload)``.
+
+The sequence number breaks ties deterministically (first scheduled, first
+served), so identical seeds and configs replay identically.  The clock is the
+loop's own ``now``; the random generator is injected by the simulator.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable
+from typing import Any
+
+
+class EventLoop:
+    """A simulated clock and a time-ordered event queue."""
+
+    __slots__ = ("_heap", "_seq", "now", "trace")
+
+    def __init__(self, record_trace: bool = False) -> None:
+        self._heap: list[tuple[float, int, str, Any]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.trace: list[tuple[float, str, Hashable]] | None = [] if record_trace else None
+
+    def schedule(self, time: float, kind: str, payload: Any = None) -> None:
+        if time < self.now:
+            raise ValueError(f"cannot schedule {kind!r} at {time} before now={self.now}")
+        self._seq += 1
+        heapq.heappush(self._heap, (time, self._seq, kind, payload))
+
+    def peek_time(self) -> float | None:
+        return self._heap[0][0] if self._heap else None
+
+    def pop_due(self) -> list[tuple[float, str, Any]]:
+        """Remove and return every event due at or before ``now``, in order."""
+        out = []
+        heap = self._heap
+        while heap and heap[0][0] <= self.now:
+            t, _, kind, payload = heapq.heappop(heap)
+            out.append((t, kind, payload))
+        return out
+
+    def log(self, kind: str, detail: Hashable, time: float | None = None) -> None:
+        """Append to the trace (when recording), stamped ``time`` or now."""
+        if self.trace is not None:
+            self.trace.append((round(self.now if time is None else time, 9), kind, detail))
+
+    def __len__(self) -> int:
+        return len(self._heap)

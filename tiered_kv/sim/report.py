@@ -1,0 +1,140 @@
+"""Simulation output: a terminal table, a JSON document and matplotlib plots."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tiered_kv.sim.config import RunSetup
+
+
+def demand_ratio(cfg: dict[str, Any], setup: RunSetup, workload: Sequence[Any]) -> float:
+    """KV needed to run ``max_num_seqs`` average requests to completion, over the GPU KV pool."""
+    mean_tokens = sum(len(r.prompt) + len(r.output) for r in workload) / max(len(workload), 1)
+    need = cfg["scheduler"]["max_num_seqs"] * mean_tokens * setup.model.kv_bytes_per_token
+    return need / (setup.num_gpu_blocks * setup.block_size * setup.model.kv_bytes_per_token)
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    """One row per run; throughput ratios are against the first run."""
+    base = runs[0]["throughput_rps"] or 1.0
+    head = (
+        f"{'run':22} {'req/s':>7} {'x base':>6} {'out tok/s':>9} {'TTFT p50/p99 s':>15} "
+        f"{'TPOT p50/p99 ms':>16} {'E2E p50/p99 s':>14} {'swap':>5} {'recmp':>5} {'GB out/in':>11} "
+        f"{'recomp tok':>10} {'hit GPU/CPU':>11} {'xfer hid/exp s':>14}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        lines.append(
+            f"{r['run'][:22]:22} {r['throughput_rps']:7.2f} {r['throughput_rps'] / base:6.2f} "
+            f"{r['throughput_output_tps']:9.0f} "
+            f"{r['ttft_s']['p50']:7.2f}/{r['ttft_s']['p99']:<7.2f} "
+            f"{r['tpot_s']['p50'] * 1e3:7.1f}/{r['tpot_s']['p99'] * 1e3:<8.1f} "
+            f"{r['e2e_s']['p50']:6.2f}/{r['e2e_s']['p99']:<7.2f} "
+            f"{r['preemptions_swap']:5d} {r['preemptions_recompute']:5d} "
+            f"{r['gb_swapped_out']:5.1f}/{r['gb_swapped_in']:<5.1f} {r['tokens_recomputed']:10d} "
+            f"{r['gpu_prefix_hit_rate']:5.2f}/{r['cpu_prefix_hit_rate']:<5.2f} "
+            f"{r['transfer_hidden_s']:6.2f}/{r['transfer_exposed_s']:<7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True))
+
+
+def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
+    """Usage over time, latency CDFs, and the policies side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    for r in runs:
+        t = [u[0] for u in r["usage"]]
+        for ax, col in zip(axes, (1, 2, 3), strict=True):
+            ax.plot(t, [u[col] for u in r["usage"]], label=r["run"], lw=1)
+    axes[0].set_ylabel("GPU KV usage")
+    axes[1].set_ylabel("CPU KV held\n(swapped, in flight)")
+    axes[2].set_ylabel("CPU prefix cache\nfill")
+    axes[2].set_xlabel("simulated time (s)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{title}: KV usage over time")
+    fig.tight_layout()
+    paths.append(outdir / "usage_over_time.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for r in runs:
+        for ax, key in zip(axes, ("ttft_s", "e2e_s"), strict=True):
+            xs = r["latency_samples"][key]
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["run"], lw=1)
+    axes[0].set_xlabel("time to first token (s)")
+    axes[1].set_xlabel("end-to-end latency (s)")
+    axes[0].set_ylabel("fraction of requests")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{title}: latency CDFs")
+    fig.tight_layout()
+    paths.append(outdir / "latency_cdf.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    names = [r["run"] for r in runs]
+    axes[0].bar(names, [r["throughput_rps"] for r in runs], color="tab:blue")
+    axes[0].set_title("throughput (req/s)")
+    axes[1].bar(names, [r["e2e_s"]["p99"] for r in runs], color="tab:orange")
+    axes[1].set_title("p99 end-to-end latency (s)")
+    axes[2].bar(names, [r["preemptions_swap"] for r in runs], label="swap", color="tab:green")
+    axes[2].bar(
+        names,
+        [r["preemptions_recompute"] for r in runs],
+        bottom=[r["preemptions_swap"] for r in runs],
+        label="recompute",
+        color="tab:red",
+    )
+    axes[2].set_title("preemptions")
+    axes[2].legend(fontsize=8, loc="lower right")
+    for ax in axes:
+        ax.margins(y=0.12)
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    fig.suptitle(f"{title}: policies side by side")
+    fig.tight_layout()
+    paths.append(outdir / "policies.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def plot_sweep(rows: list[dict[str, Any]], outdir: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    rates = sorted({r["rate"] for r in rows})
+    fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
+    for ax, rate in zip(axes[0], rates, strict=True):
+        for run in dict.fromkeys(r["run"] for r in rows):
+            pts = sorted((r["gpu_kv_gib"], r["throughput_rps"]) for r in rows if r["run"] == run and r["rate"] == rate)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=run)
+        ax.set_xlabel("GPU KV memory (GiB)")
+        ax.set_ylabel("throughput (req/s)")
+        ax.set_title(f"arrival rate {rate}/s")
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = outdir / "sweep.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

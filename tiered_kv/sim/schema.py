@@ -1,0 +1,130 @@
+"""A small declarative validator for YAML configs: every error names the key it is about.
+
+A schema maps keys to :class:`Field` (a leaf) or to a nested schema (a mapping).
+``validate`` returns a new dict with defaults filled in, or raises
+:class:`~tiered_kv.errors.ConfigError` with messages such as
+``workload.arrival.rate: must be > 0, got -1``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiered_kv.errors import ConfigError
+
+REQUIRED = object()
+Check = Callable[[Any], str | None]
+
+
+@dataclass(frozen=True)
+class Field:
+    """A leaf: allowed types, default, choices and extra checks (each returns an error or None)."""
+
+    types: tuple[type, ...]
+    default: Any = REQUIRED
+    choices: tuple[Any, ...] | None = None
+    checks: tuple[Check, ...] = field(default_factory=tuple)
+    nullable: bool = False
+
+    def type_name(self) -> str:
+        names = {
+            bool: "a boolean",
+            int: "an integer",
+            float: "a number",
+            str: "a string",
+            list: "a list",
+            dict: "a mapping",
+        }
+        return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in self.types))
+
+
+def positive(v: Any) -> str | None:
+    return None if v > 0 else f"must be > 0, got {v}"
+
+
+def non_negative(v: Any) -> str | None:
+    return None if v >= 0 else f"must be >= 0, got {v}"
+
+
+def fraction(v: Any) -> str | None:
+    return None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
+
+
+def probability(v: Any) -> str | None:
+    return None if 0 <= v <= 1 else f"must be in [0, 1], got {v}"
+
+
+def power_of_two(v: Any) -> str | None:
+    return None if v > 0 and v & (v - 1) == 0 else f"must be a power of two, got {v}"
+
+
+def finite(v: Any) -> str | None:
+    return None if math.isfinite(v) else f"must be finite, got {v}"
+
+
+NUM = (int, float)
+
+
+def num(default: Any = REQUIRED, *checks: Check, nullable: bool = False) -> Field:
+    return Field(NUM, default, None, checks, nullable)
+
+
+def integer(default: Any = REQUIRED, *checks: Check) -> Field:
+    return Field((int,), default, None, checks)
+
+
+def choice(default: Any, *choices: Any) -> Field:
+    return Field((str,), default, tuple(choices))
+
+
+def _is_type(v: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(v, bool):
+        return bool in types
+    if isinstance(v, int) and float in types:
+        return True
+    return isinstance(v, types)
+
+
+def validate(data: Any, schema: Mapping[str, Any], path: str = "") -> dict[str, Any]:
+    """Check ``data`` against ``schema``; return it with defaults filled in."""
+    where = path or "config"
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+    unknown = sorted(set(data) - set(schema))
+    if unknown:
+        key = f"{path}.{unknown[0]}" if path else str(unknown[0])
+        raise ConfigError(f"{key}: unknown key (known keys here: {', '.join(sorted(schema))})")
+    out: dict[str, Any] = {}
+    for key, spec in schema.items():
+        full = f"{path}.{key}" if path else key
+        if isinstance(spec, Mapping):
+            out[key] = validate(data.get(key), spec, full)
+            continue
+        if key not in data or (data[key] is None and spec.nullable):
+            if key not in data and spec.default is REQUIRED:
+                raise ConfigError(f"{full}: required key is missing")
+            out[key] = None if key in data else spec.default
+            continue
+        v = data[key]
+        if not _is_type(v, spec.types):
+            hint = ""
+            if isinstance(v, str) and float in spec.types:
+                try:
+                    float(v)
+                    hint = " (YAML reads an exponent without a sign as text: write 8.0e+9, not 8.0e9)"
+                except ValueError:
+                    pass
+            raise ConfigError(f"{full}: expected {spec.type_name()}, got {type(v).__name__} {v!r}{hint}")
+        if spec.choices is not None and v not in spec.choices:
+            raise ConfigError(f"{full}: must be one of {list(spec.choices)}, got {v!r}")
+        for check in spec.checks:
+            msg = check(v)
+            if msg:
+                raise ConfigError(f"{full}: {msg}")
+        out[key] = float(v) if float in spec.types and int not in spec.types and isinstance(v, int) else v
+    return out
