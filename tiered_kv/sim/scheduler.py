@@ -19,7 +19,9 @@ A step that had to preempt neither resumes nor admits: memory is short, and a
 victim whose blocks are still cached would otherwise come straight back.
 
 A request whose KV is still arriving (swap-in, onboarding, or an on-evict copy
-it must wait for) is skipped until the manager says it is runnable.
+it must wait for) is skipped until the manager says it is runnable.  Drivers
+call :meth:`Scheduler.poll` (not the manager's) so that a request whose copy
+failed is put back where the manager left it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from tiered_kv.core.request import Request
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.states import PreemptMode, RequestState
-from tiered_kv.manager.tier_manager import PreemptionResult, TierManager
+from tiered_kv.manager.tier_manager import Completion, PreemptionResult, TierManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +97,31 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    def poll(self) -> list[Completion]:
+        """Settle finished copies through the manager, and re-file requests whose copy failed.
+
+        A failed swap-out leaves the request running on the GPU; a failed swap-in
+        leaves it swapped; a failed onboarding leaves it waiting to recompute.
+        """
+        done = self.tm.poll()
+        for c in done:
+            if c.ok or c.request_id is None or c.request_id not in self.requests:
+                continue
+            rid = c.request_id
+            state = self.tm.state(rid)
+            if rid in self.swapped:
+                self.swapped.remove(rid)
+            if rid in self.running:
+                self.running.remove(rid)
+            self.pending_free.pop(rid, None)
+            if state is RequestState.RUNNING:
+                self.running.append(rid)
+            elif state is RequestState.SWAPPED:
+                self.swapped.appendleft(rid)
+            else:
+                self.waiting.appendleft(self.requests[rid])
+        return done
 
     # --------------------------------------------------------------- schedule
     def schedule(self) -> StepBatch:

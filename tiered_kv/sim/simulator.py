@@ -128,7 +128,7 @@ class Simulator:
                 else:
                     SimCopyEngine.finish(payload)
                     loop.log("transfer_done", payload.plan.plan_id, t_event)
-            tm.poll()
+            sched.poll()
             if finished == total:
                 nt = loop.peek_time()  # drain copies still in flight (write-through offloads)
                 if nt is None:

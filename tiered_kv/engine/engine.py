@@ -1,0 +1,188 @@
+"""The real engine: the simulator's scheduler, the TierManager and a real copy engine over a real model.
+
+Every step the scheduler picks a batch through the tier manager; the model
+computes each scheduled request's tokens against its GPU block table; greedy
+sampling produces the next token.  Preemptions are real swaps (bytes move
+between the two ``KVStorage`` tiers through the copy engine) and real
+recomputes.  When nothing can run because every runnable request waits on a
+copy, the engine waits for that copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered_kv.core.request import Request
+from tiered_kv.engine.model import ModelConfig, TinyLlama
+from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.tier_manager import TierManager
+from tiered_kv.sim.scheduler import Scheduler, SchedulerConfig
+from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.transfer.storage_engine import StorageEngineBase
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+    step_log: list[tuple[int, float, float, int, float]] = field(default_factory=list)  # tokens, attn, kv, n, s
+
+
+class Engine:
+    """A serving engine over a :class:`TinyLlama`.
+
+    Args:
+        model_config: The model (seeded random weights).
+        num_gpu_blocks / num_cpu_blocks: Tier sizes (null block included).
+        block_size: Tokens per block.
+        layout: KV layout of both tiers.
+        policy / mode / offload: Passed to the tier manager.
+        cost_model: For the cost-aware policy (e.g. from ``tiered-kv crossover``).
+        copy_engine: Factory ``tiers -> engine``; default: CUDA streams on a GPU, else CPU threads.
+        record_logits: Keep the logits every sampled token came from.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig | None = None,
+        *,
+        num_gpu_blocks: int = 64,
+        num_cpu_blocks: int = 256,
+        block_size: int = 4,
+        layout: str = "block_contiguous",
+        policy: str = "lru",
+        mode: str = "auto",
+        offload: str = "none",
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 32,
+        chunked_prefill: bool = True,
+        cost_model: CostModel | None = None,
+        copy_engine: Callable[[dict[str, KVStorage]], StorageEngineBase] | None = None,
+        device: str | None = None,
+        record_logits: bool = False,
+        hash_fn: str = "sha256",
+    ) -> None:
+        self.config = model_config or ModelConfig()
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device
+        spec = self.config.kv_spec(block_size)
+        self.tiers = {
+            "GPU": KVStorage(spec, num_gpu_blocks, "GPU", layout, device=device),
+            "CPU": KVStorage(spec, max(num_cpu_blocks, 2), "CPU", layout),
+        }
+        if copy_engine is None:
+            if device.startswith("cuda"):
+                from tiered_kv.transfer.cuda_engine import TorchCudaCopyEngine
+
+                copy_engine = TorchCudaCopyEngine
+            else:
+                from tiered_kv.transfer.cpu_engine import CpuCopyEngine
+
+                copy_engine = CpuCopyEngine
+        self.copy = copy_engine(self.tiers)
+        cm = cost_model or CostModel(
+            kv_bytes_per_token=spec.bytes_per_token,
+            block_size=block_size,
+            d2h_bytes_per_s=10e9,
+            h2d_bytes_per_s=10e9,
+            prefill_tokens_per_s=20_000.0,
+        )
+        self.tm = TierManager(
+            num_gpu_blocks,
+            num_cpu_blocks,
+            block_size,
+            self.copy,
+            cost_model=cm,
+            policy=policy,
+            mode=mode,
+            offload=offload,
+            hash_fn=hash_fn,
+        )
+        self.scheduler = Scheduler(
+            self.tm,
+            SchedulerConfig(max_num_batched_tokens, max_num_seqs, chunked_prefill),
+            policy,
+            mode,
+            on_finish=self._finished,
+        )
+        self.model = TinyLlama(self.config, device)
+        self.outputs: dict[Hashable, list[int]] = {}
+        self.logits: dict[Hashable, list[torch.Tensor]] = {}
+        self.tables: dict[Hashable, list[list[int]]] = {}  # every distinct GPU table a request computed with
+        self.record_logits = record_logits
+        self.stats = EngineStats()
+
+    def add_request(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int) -> Request:
+        req = Request(request_id, prompt, max_tokens=max_tokens)
+        self.scheduler.add_request(req)
+        return req
+
+    def _finished(self, req: Request) -> None:
+        self.outputs[req.request_id] = req.output_token_ids
+
+    def step(self) -> bool:
+        """Run one scheduling step; False when there is nothing left to do."""
+        tm = self.tm
+        self.scheduler.poll()
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            inflight = tm.plans_in_flight()
+            if inflight:
+                t0 = time.perf_counter()
+                handle = tm.handle(inflight[0].plan_id)
+                if handle is not None:
+                    handle.wait(5.0)
+                self.stats.wait_s += time.perf_counter() - t0
+                return True
+            return self.scheduler.num_unfinished > 0 and bool(self.scheduler.waiting)
+        sampled: dict[Hashable, int] = {}
+        kv = self.tiers["GPU"]
+        t0 = time.perf_counter()
+        attn = 0.0
+        ctx = 0
+        for req, n in batch.items:
+            rid = req.request_id
+            c = req.num_computed_tokens
+            table = tm.gpu_block_ids(rid)
+            hist = self.tables.setdefault(rid, [])
+            if not hist or hist[-1] != table[: len(hist[-1])]:
+                hist.append(list(table))
+            else:
+                hist[-1] = list(table)
+            logits = self.model.forward_chunk(req.all_token_ids[c : c + n], c, table, kv)
+            if c + n == req.num_tokens:
+                sampled[rid] = int(logits[-1].argmax())
+                if self.record_logits:
+                    self.logits.setdefault(rid, []).append(logits[-1].clone())
+            attn += (c + n) * (c + n) - c * c
+            ctx += c + n
+        if self.device.startswith("cuda"):
+            torch.cuda.current_stream().synchronize()  # engine step boundary (host needs the tokens)
+        dt = time.perf_counter() - t0
+        self.stats.compute_s += dt
+        self.stats.steps += 1
+        self.stats.step_log.append((batch.num_tokens, attn, ctx, len(batch.items), dt))
+        self.scheduler.update(batch, lambda req: sampled[req.request_id])
+        return True
+
+    def run(self, max_steps: int = 1_000_000) -> dict[Hashable, list[int]]:
+        """Step until every request finished; return the generated tokens per request."""
+        t0 = time.perf_counter()
+        for _ in range(max_steps):
+            if self.scheduler.num_unfinished == 0:
+                self.tm.wait_all(10)
+                break
+            if not self.step():
+                raise RuntimeError(f"engine stalled with {self.scheduler.num_unfinished} requests unfinished")
+        self.stats.wall_s += time.perf_counter() - t0
+        return self.outputs
+
+    def close(self) -> None:
+        if hasattr(self.copy, "close"):
+            self.copy.close()
