@@ -115,9 +115,9 @@ def test_shared_prefix(layout):
 def test_prefix_onboarded_from_the_cpu_tier(layout):
     rng = random.Random(4)
     prefix = [rng.randrange(512) for _ in range(24)]
-    first = {0: prefix + [1, 2, 3]}
+    first = {0: [*prefix, 1, 2, 3]}
     fillers = {i: [rng.randrange(512) for _ in range(40)] for i in (1, 2)}
-    later = {3: prefix + [9, 8, 7, 6]}
+    later = {3: [*prefix, 9, 8, 7, 6]}
     e = Engine(num_gpu_blocks=24, layout=layout, offload="write_through", record_logits=True)
     for group in (first, fillers, later):  # one after another: the fillers evict the prefix from the GPU
         for rid, p in group.items():
