@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", type=Path, help="write the results document here")
     sim.add_argument("--plots", type=Path, help="write PNG plots into this directory")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sim.add_argument("--calibration", type=Path, help="use a cost model measured by `tiered-kv crossover`")
+    sub.add_parser("crossover", help="measure swap vs recompute on this hardware; write a calibration", add_help=False)
+    sub.add_parser("fidelity", help="simulator prediction vs the real engine on one workload", add_help=False)
     sw = sub.add_parser("sweep", help="cross a config's runs with sweep.gpu_kv_gib and sweep.rate")
     sw.add_argument("config")
     sw.add_argument("--json", type=Path)
@@ -37,6 +40,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from tiered_kv.tools.bench_transfer import main as bench_transfer
 
         return bench_transfer(argv[1:])
+    if argv[:1] == ["crossover"]:
+        from tiered_kv.engine.crossover import main as crossover
+
+        return crossover(argv[1:])
+    if argv[:1] == ["fidelity"]:
+        from tiered_kv.engine.fidelity import main as fidelity
+
+        return fidelity(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from tiered_kv.demo import run_walkthrough
@@ -49,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "simulate":
             from tiered_kv.sim.runner import simulate
 
-            simulate(args.config, args.json, args.plots, progress=not args.no_progress)
+            simulate(args.config, args.json, args.plots, progress=not args.no_progress, calibration=args.calibration)
             return 0
         if args.command == "sweep":
             from tiered_kv.sim.runner import sweep

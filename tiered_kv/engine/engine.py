@@ -29,9 +29,11 @@ from tiered_kv.transfer.storage_engine import StorageEngineBase
 class EngineStats:
     steps: int = 0
     compute_s: float = 0.0
+    recompute_s: float = 0.0
     wait_s: float = 0.0
     wall_s: float = 0.0
-    step_log: list[tuple[int, float, float, int, float]] = field(default_factory=list)  # tokens, attn, kv, n, s
+    # (tokens, attention units, KV tokens, requests, step seconds, of which model compute) per computing step
+    step_log: list[tuple[int, float, float, int, float, float]] = field(default_factory=list)
 
 
 class Engine:
@@ -116,11 +118,17 @@ class Engine:
         self.logits: dict[Hashable, list[torch.Tensor]] = {}
         self.tables: dict[Hashable, list[list[int]]] = {}  # every distinct GPU table a request computed with
         self.record_logits = record_logits
+        self.forced: dict[Hashable, list[int]] = {}
         self.stats = EngineStats()
 
-    def add_request(self, request_id: Hashable, prompt: Sequence[int], max_tokens: int) -> Request:
+    def add_request(
+        self, request_id: Hashable, prompt: Sequence[int], max_tokens: int, forced_output: Sequence[int] | None = None
+    ) -> Request:
+        """Queue a request.  ``forced_output`` replays given tokens instead of sampling (for timing studies)."""
         req = Request(request_id, prompt, max_tokens=max_tokens)
         self.scheduler.add_request(req)
+        if forced_output is not None:
+            self.forced[request_id] = list(forced_output)
         return req
 
     def _finished(self, req: Request) -> None:
@@ -129,6 +137,7 @@ class Engine:
     def step(self) -> bool:
         """Run one scheduling step; False when there is nothing left to do."""
         tm = self.tm
+        t_step = time.perf_counter()
         self.scheduler.poll()
         batch = self.scheduler.schedule()
         if not batch.items:
@@ -157,18 +166,23 @@ class Engine:
                 hist[-1] = list(table)
             logits = self.model.forward_chunk(req.all_token_ids[c : c + n], c, table, kv)
             if c + n == req.num_tokens:
-                sampled[rid] = int(logits[-1].argmax())
+                forced = self.forced.get(rid)
+                sampled[rid] = forced[req.num_output_tokens] if forced else int(logits[-1].argmax())
                 if self.record_logits:
                     self.logits.setdefault(rid, []).append(logits[-1].clone())
             attn += (c + n) * (c + n) - c * c
             ctx += c + n
         if self.device.startswith("cuda"):
             torch.cuda.current_stream().synchronize()  # engine step boundary (host needs the tokens)
-        dt = time.perf_counter() - t0
-        self.stats.compute_s += dt
+        compute = time.perf_counter() - t0
+        self.stats.compute_s += compute
         self.stats.steps += 1
-        self.stats.step_log.append((batch.num_tokens, attn, ctx, len(batch.items), dt))
+        recomputed = self.scheduler.count_recomputed(batch)
         self.scheduler.update(batch, lambda req: sampled[req.request_id])
+        dt = time.perf_counter() - t_step  # the whole step: scheduling, manager, model, bookkeeping
+        self.stats.step_log.append((batch.num_tokens, attn, ctx, len(batch.items), dt, compute))
+        if recomputed:
+            self.stats.recompute_s += dt * recomputed / batch.num_tokens
         return True
 
     def run(self, max_steps: int = 1_000_000) -> dict[Hashable, list[int]]:

@@ -130,19 +130,19 @@ class CostModel:
         for direction, key in (("D2H", "d2h_bytes_per_s"), ("H2D", "h2d_bytes_per_s")):
             rows = [(b, r, t) for d, b, r, t in samples if d == direction]
             if len(rows) >= 2:
-                inv_bw, ovh = _lstsq2([(b, r) for b, r, _ in rows], [t for *_, t in rows])
+                inv_bw, ovh = nnls([[float(b), float(r)] for b, r, _ in rows], [t for *_, t in rows])
                 if inv_bw > 0:
                     upd[key] = 1.0 / inv_bw
-                overheads.append(max(ovh, 0.0))
+                overheads.append(ovh)
         if overheads:
             upd["per_copy_overhead_s"] = sum(overheads) / len(overheads)
         pf = list(prefills)
         if len(pf) >= 3:
-            c0, lin, quad = _lstsq3([(1.0, float(n), n * n / 2.0) for n, _ in pf], [t for _, t in pf])
-            if lin > 0:
-                upd["prefill_tokens_per_s"] = 1.0 / lin
-                upd["prefill_quadratic_s_per_token2"] = max(quad, 0.0)
-                upd["prefill_overhead_s"] = max(c0, 0.0)
+            c0, lin, quad = nnls([[1.0, float(n), n * n / 2.0] for n, _ in pf], [t for _, t in pf])
+            # A zero linear term means attention dominates at every measured length.
+            upd["prefill_tokens_per_s"] = 1.0 / lin if lin > 0 else math.inf
+            upd["prefill_quadratic_s_per_token2"] = quad
+            upd["prefill_overhead_s"] = c0
         return replace(self, **upd)  # type: ignore[arg-type]
 
     def to_dict(self) -> dict[str, float]:
@@ -174,22 +174,28 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def _normal(xs: list[tuple[float, ...]], ys: list[float]) -> list[float]:
+def nnls(xs: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares with every coefficient >= 0 (active set by clamping; for a handful of columns).
+
+    Columns are scaled before solving, because bytes (~1e9) and copy counts (~1)
+    differ by many orders of magnitude.
+    """
     k = len(xs[0])
-    # Scale columns so the normal equations stay well conditioned (bytes ~1e9, runs ~1).
-    scale = [max(abs(x[j]) for x in xs) or 1.0 for j in range(k)]
-    zs = [tuple(x[j] / scale[j] for j in range(k)) for x in xs]
-    ata = [[sum(z[i] * z[j] for z in zs) for j in range(k)] for i in range(k)]
-    aty = [sum(z[i] * y for z, y in zip(zs, ys, strict=True)) for i in range(k)]
-    sol = _solve(ata, aty)
-    return [s / scale[j] for j, s in enumerate(sol)]
-
-
-def _lstsq2(xs: list[tuple[float, float]], ys: list[float]) -> tuple[float, float]:
-    a, b = _normal(xs, ys)
-    return a, b
-
-
-def _lstsq3(xs: list[tuple[float, float, float]], ys: list[float]) -> tuple[float, float, float]:
-    a, b, c = _normal(xs, ys)
-    return a, b, c
+    active = list(range(k))
+    coef = [0.0] * k
+    while active:
+        cols = [[row[j] for j in active] for row in xs]
+        scale = [max(abs(c[i]) for c in cols) or 1.0 for i in range(len(active))]
+        z = [[c[i] / scale[i] for i in range(len(active))] for c in cols]
+        n = len(active)
+        ata = [[sum(r[i] * r[j] for r in z) for j in range(n)] for i in range(n)]
+        aty = [sum(r[i] * y for r, y in zip(z, ys, strict=True)) for i in range(n)]
+        sol = [v / scale[i] for i, v in enumerate(_solve(ata, aty))]
+        coef = [0.0] * k
+        for i, j in enumerate(active):
+            coef[j] = max(sol[i], 0.0)
+        negative = {active[i] for i, v in enumerate(sol) if v < 0}
+        if not negative:
+            break
+        active = [j for j in active if j not in negative]
+    return coef

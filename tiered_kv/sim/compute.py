@@ -11,6 +11,11 @@ cached ones:
 * step time = ``overhead + max(FLOPs / (peak * MFU), bytes / (HBM bandwidth * efficiency))``.
 
 Prefill-heavy steps land on the compute roof, decode-heavy steps on the memory roof.
+
+A calibrated engine (``tiered-kv crossover``) replaces the roofline with a
+fitted linear step model: ``intercept + per_token * tokens + per_attn_unit *
+attention units + per_kv_token * KV tokens + per_seq * requests``, whose
+per-request term carries the scheduler's and manager's own overhead.
 """
 
 from __future__ import annotations
@@ -28,17 +33,22 @@ class ComputeModel:
     hbm_efficiency: float = 0.8
     step_overhead_s: float = 5e-4
     fixed_step_s: float | None = None  # tests: every step takes exactly this long
+    linear: tuple[float, float, float, float, float] | None = None  # calibrated step model, see module doc
 
-    def step_time(self, num_tokens: int, attn_units: float, kv_tokens: int) -> float:
+    def step_time(self, num_tokens: int, attn_units: float, kv_tokens: int, num_seqs: int = 1) -> float:
         """Seconds for one step.
 
         Args:
             num_tokens: Tokens computed in the step (all requests).
             attn_units: ``sum((c + n)^2 - c^2)`` over scheduled requests.
             kv_tokens: ``sum(c + n)``: KV tokens read (and, for the new ones, written).
+            num_seqs: Requests in the step (only the calibrated model uses it).
         """
         if self.fixed_step_s is not None:
             return self.fixed_step_s
+        if self.linear is not None:
+            a, b, c, d, e = self.linear
+            return a + b * num_tokens + c * attn_units + d * kv_tokens + e * num_seqs
         m = self.model
         flops = 2.0 * m.params_per_gpu * num_tokens + 2.0 * m.num_layers * m.attn_dim_per_gpu * attn_units
         t_compute = flops / (self.hw.peak_bf16_flops * self.mfu)

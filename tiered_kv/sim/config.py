@@ -16,6 +16,7 @@ from typing import Any
 from tiered_kv.errors import ConfigError
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.policies import POLICIES
+from tiered_kv.sim.calibration import Calibration
 from tiered_kv.sim.compute import ComputeModel
 from tiered_kv.sim.profiles import CONFIG_DIR, HardwareProfile, ModelProfile, load_hardware, load_model
 from tiered_kv.sim.schema import (
@@ -70,6 +71,8 @@ SCHEMA: dict[str, Any] = {
         "cpu_kv_gib": num(64.0, non_negative),
         "host_memory_gib": num(1024.0, positive),
         "activation_reserve_gib": num(2.0, non_negative),
+        "gpu_blocks": Field((int,), None, None, (positive,), nullable=True),
+        "cpu_blocks": Field((int,), None, None, (non_negative,), nullable=True),
     },
     "scheduler": {
         "max_num_batched_tokens": integer(8192, positive),
@@ -134,7 +137,8 @@ class RunSetup:
     num_cpu_blocks: int
     gpu_kv_gib: float
     cpu_kv_gib: float
-    link_bytes_per_s: float
+    d2h_bytes_per_s: float
+    h2d_bytes_per_s: float
     per_copy_overhead_s: float
     cost_model: CostModel
     hash_fn: str
@@ -210,12 +214,21 @@ def validate_config(raw: Any) -> dict[str, Any]:
     return cfg
 
 
-def setup(cfg: dict[str, Any], run_index: int) -> RunSetup:
-    """Derive block counts, link and cost model for one run; raise ConfigError naming the key."""
+def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None = None) -> RunSetup:
+    """Derive block counts, link and cost model for one run; raise ConfigError naming the key.
+
+    With a ``calibration`` (from ``tiered-kv crossover``), the model, the link,
+    the step-time model and the manager's cost model are the measured ones.
+    """
     run = cfg["runs"][run_index]
     rkey = f"runs[{run_index}]"
     hw = load_hardware(cfg["hardware"])
-    model = load_model(cfg["model"])
+    model = calibration.model_profile() if calibration is not None else load_model(cfg["model"])
+    if calibration is not None and calibration.block_size != cfg["memory"]["block_size"]:
+        raise ConfigError(
+            f"memory.block_size: {cfg['memory']['block_size']} differs from the calibration's "
+            f"block size {calibration.block_size}"
+        )
     mem = cfg["memory"]
     bs = mem["block_size"]
     usable = hw.memory_gib * mem["gpu_memory_utilization"] - mem["activation_reserve_gib"]
@@ -238,8 +251,17 @@ def setup(cfg: dict[str, Any], run_index: int) -> RunSetup:
     if cpu_kv > mem["host_memory_gib"]:
         raise ConfigError(f"{ckey}: {cpu_kv} GiB exceeds memory.host_memory_gib ({mem['host_memory_gib']} GiB)")
     block_bytes = bs * model.kv_bytes_per_token
-    n_gpu = int(gpu_kv * GIB // block_bytes)
-    n_cpu = int(cpu_kv * GIB // block_bytes)
+    # Explicit block counts (small experiments) win over sizes in GiB.
+    if mem["gpu_blocks"] is not None and run["gpu_kv_gib"] is None:
+        n_gpu, gkey = mem["gpu_blocks"], "memory.gpu_blocks"
+        gpu_kv = n_gpu * block_bytes / GIB
+    else:
+        n_gpu = int(gpu_kv * GIB // block_bytes)
+    if mem["cpu_blocks"] is not None and run["cpu_kv_gib"] is None:
+        n_cpu, ckey = mem["cpu_blocks"], "memory.cpu_blocks"
+        cpu_kv = n_cpu * block_bytes / GIB
+    else:
+        n_cpu = int(cpu_kv * GIB // block_bytes)
     if n_gpu < 2:
         raise ConfigError(f"{gkey}: {gpu_kv} GiB holds fewer than 2 blocks of {block_bytes} bytes")
     if 0 < n_cpu < 2:
@@ -258,39 +280,46 @@ def setup(cfg: dict[str, Any], run_index: int) -> RunSetup:
                 f"workload.prompt_len: the longest request ({longest} tokens) needs more than the "
                 f"{n_gpu - 1} GPU blocks of {gkey}; it could never run"
             )
-    link = cfg["link"]
-    bw = link["gbps_per_direction"] * 1e9 if link["gbps_per_direction"] is not None else hw.pcie_bytes_per_s
-    ovh = link["per_copy_overhead_s"] if link["per_copy_overhead_s"] is not None else hw.per_copy_overhead_s
     c = cfg["compute"]
-    compute = ComputeModel(hw, model, c["mfu"], c["hbm_efficiency"], c["step_overhead_s"], c["fixed_step_s"])
-    cost = CostModel(
-        kv_bytes_per_token=model.kv_bytes_per_token,
-        block_size=bs,
-        d2h_bytes_per_s=bw,
-        h2d_bytes_per_s=bw,
-        per_copy_overhead_s=ovh,
-        prefill_tokens_per_s=compute.prefill_tokens_per_s(),
-        prefill_quadratic_s_per_token2=compute.prefill_quadratic(),
-    )
+    if calibration is not None:
+        cost = calibration.cost_model
+        compute = ComputeModel(hw, model, c["mfu"], c["hbm_efficiency"], 0.0, None, calibration.step_model)
+        d2h, h2d, ovh = cost.d2h_bytes_per_s, cost.h2d_bytes_per_s, cost.per_copy_overhead_s
+    else:
+        link = cfg["link"]
+        bw = link["gbps_per_direction"] * 1e9 if link["gbps_per_direction"] is not None else hw.pcie_bytes_per_s
+        ovh = link["per_copy_overhead_s"] if link["per_copy_overhead_s"] is not None else hw.per_copy_overhead_s
+        d2h = h2d = bw
+        compute = ComputeModel(hw, model, c["mfu"], c["hbm_efficiency"], c["step_overhead_s"], c["fixed_step_s"])
+        cost = CostModel(
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            block_size=bs,
+            d2h_bytes_per_s=bw,
+            h2d_bytes_per_s=bw,
+            per_copy_overhead_s=ovh,
+            prefill_tokens_per_s=compute.prefill_tokens_per_s(),
+            prefill_quadratic_s_per_token2=compute.prefill_quadratic(),
+        )
     s = cfg["scheduler"]
     return RunSetup(
-        run["name"],
-        run["policy"],
-        run["mode"],
-        run["offload"],
-        hw,
-        model,
-        compute,
-        bs,
-        n_gpu,
-        max(n_cpu, 0),
-        gpu_kv,
-        cpu_kv,
-        bw,
-        ovh,
-        cost,
-        cfg["hash"],
-        s["max_num_batched_tokens"],
-        s["max_num_seqs"],
-        s["chunked_prefill"],
+        name=run["name"],
+        policy=run["policy"],
+        mode=run["mode"],
+        offload=run["offload"],
+        hardware=hw,
+        model=model,
+        compute=compute,
+        block_size=bs,
+        num_gpu_blocks=n_gpu,
+        num_cpu_blocks=max(n_cpu, 0),
+        gpu_kv_gib=gpu_kv,
+        cpu_kv_gib=cpu_kv,
+        d2h_bytes_per_s=d2h,
+        h2d_bytes_per_s=h2d,
+        per_copy_overhead_s=ovh,
+        cost_model=cost,
+        hash_fn=cfg["hash"],
+        max_num_batched_tokens=s["max_num_batched_tokens"],
+        max_num_seqs=s["max_num_seqs"],
+        chunked_prefill=s["chunked_prefill"],
     )

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.sim.calibration import load_calibration
 from tiered_kv.sim.config import load_config, setup
 from tiered_kv.sim.report import demand_ratio, plot, plot_sweep, table, write_json
 from tiered_kv.sim.simulator import Simulator, stderr_progress
@@ -20,20 +21,27 @@ def simulate(
     overrides: dict[str, Any] | None = None,
     emit: Callable[[str], None] = print,
     progress: bool = True,
+    calibration: Path | None = None,
 ) -> dict[str, Any]:
-    """Run every ``runs`` entry of a config on one workload; return the results document."""
+    """Run every ``runs`` entry of a config on one workload; return the results document.
+
+    With ``calibration`` (from ``tiered-kv crossover``) the measured model, link
+    and step times replace the config's hardware and model profiles.
+    """
     cfg = load_config(config, overrides)
+    cal = load_calibration(calibration) if calibration is not None else None
     workload = generate(cfg["workload"], cfg["seed"])
-    first = setup(cfg, 0)
+    first = setup(cfg, 0, cal)
     ratio = demand_ratio(cfg, first, workload)
+    where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
     emit(
-        f"{cfg['name']}: {first.model.name} on {first.hardware.name}, {len(workload)} requests, "
+        f"{cfg['name']}: {first.model.name} on {where}, {len(workload)} requests, "
         f"GPU KV {first.gpu_kv_gib:g} GiB ({first.num_gpu_blocks} blocks of {first.block_size} tokens), "
         f"KV demand of {cfg['scheduler']['max_num_seqs']} running requests = {ratio:.2f}x the GPU pool"
     )
     results = []
     for i in range(len(cfg["runs"])):
-        st = setup(cfg, i)
+        st = setup(cfg, i, cal)
         t0 = time.perf_counter()
         res = Simulator(st, workload, progress=stderr_progress(st.name) if progress else None).run()
         wall = time.perf_counter() - t0
@@ -46,7 +54,7 @@ def simulate(
     emit(table(results))
     doc = {
         "name": cfg["name"],
-        "hardware": first.hardware.name,
+        "hardware": where,
         "model": first.model.name,
         "kv_demand_ratio": ratio,
         "config": cfg,

@@ -53,6 +53,7 @@ class StepBatch:
 
     items: list[tuple[Request, int]] = field(default_factory=list)
     num_tokens: int = 0
+    recomputed_tokens: int = 0  # tokens computed before, now computed again after a recompute preemption
     preempted: list[tuple[Hashable, PreemptMode]] = field(default_factory=list)
     resumed: list[Hashable] = field(default_factory=list)
     admitted: list[Hashable] = field(default_factory=list)
@@ -86,6 +87,7 @@ class Scheduler:
         self.swapped: deque[Hashable] = deque()
         self.requests: dict[Hashable, Request] = {}
         self.pending_free: dict[Hashable, int] = {}  # swap-out in flight -> blocks it will free
+        self.high_water: dict[Hashable, int] = {}  # most tokens ever computed per request
 
     # ---------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -234,6 +236,18 @@ class Scheduler:
             self.waiting.appendleft(self.requests[rid])
 
     # ----------------------------------------------------------------- update
+    def count_recomputed(self, batch: StepBatch) -> int:
+        """Tokens of the batch that were computed before (redone after a recompute preemption)."""
+        hw = self.high_water
+        n_re = 0
+        for req, n in batch.items:
+            mark = hw.get(req.request_id, 0)
+            c = req.num_computed_tokens
+            if mark > c:
+                n_re += min(c + n, mark) - c
+        batch.recomputed_tokens = n_re
+        return n_re
+
     def update(self, batch: StepBatch, sample: Callable[[Request], int]) -> list[Request]:
         """Apply a computed step: advance progress, sample a token where the known tokens are done.
 
@@ -241,9 +255,12 @@ class Scheduler:
         """
         produced: list[Request] = []
         tm = self.tm
+        hw = self.high_water
         for req, n in batch.items:
             in_prompt = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += n
+            if req.num_computed_tokens > hw.get(req.request_id, 0):
+                hw[req.request_id] = req.num_computed_tokens
             if in_prompt:
                 tm.on_tokens_computed(req.request_id)
             if req.num_computed_tokens == req.num_tokens:
@@ -253,6 +270,7 @@ class Scheduler:
                     tm.finish(req.request_id)
                     self.running.remove(req.request_id)
                     del self.requests[req.request_id]
+                    hw.pop(req.request_id, None)
                     if self.on_finish is not None:
                         self.on_finish(req)
         return produced

@@ -75,7 +75,7 @@ class Simulator:
         self.usage_points = usage_points
         bpb = setup.block_size * setup.model.kv_bytes_per_token
         self.engine = SimCopyEngine(
-            self.loop, bpb, setup.link_bytes_per_s, setup.link_bytes_per_s, setup.per_copy_overhead_s
+            self.loop, bpb, setup.d2h_bytes_per_s, setup.h2d_bytes_per_s, setup.per_copy_overhead_s
         )
         self.tm = TierManager(
             setup.num_gpu_blocks,
@@ -117,6 +117,7 @@ class Simulator:
         usage: list[tuple[float, float, float]] = []
         steps = 0
         tokens_computed = 0
+        recompute_s = 0.0
         last_report = time.perf_counter()
         while True:
             for t_event, kind, payload in loop.pop_due():
@@ -144,7 +145,9 @@ class Simulator:
                     c = req.num_computed_tokens
                     attn += (c + n) * (c + n) - c * c
                     kv += c + n
-                dt = self.setup.compute.step_time(batch.num_tokens, attn, kv)
+                dt = self.setup.compute.step_time(batch.num_tokens, attn, kv, len(batch.items))
+                if sched.count_recomputed(batch):
+                    recompute_s += dt * batch.recomputed_tokens / batch.num_tokens
                 start = loop.now
                 loop.now = start + dt
                 busy.append((start, loop.now))
@@ -179,7 +182,7 @@ class Simulator:
                 last_report = time.perf_counter()
         if self.progress is not None:
             self.progress(finished, total, loop.now)
-        return self._results(busy, usage, steps, tokens_computed)
+        return self._results(busy, usage, steps, tokens_computed, recompute_s)
 
     def _log_batch(self, batch: StepBatch) -> None:
         if self.loop.trace is None:
@@ -193,7 +196,7 @@ class Simulator:
         if batch.items:
             self.loop.log("step", tuple((req.request_id, n) for req, n in batch.items))
 
-    def _results(self, busy, usage, steps: int, tokens_computed: int) -> dict[str, Any]:
+    def _results(self, busy, usage, steps: int, tokens_computed: int, recompute_s: float) -> dict[str, Any]:
         tm = self.tm
         recs = self.records
         makespan = max((r[2] for r in recs.values()), default=0.0)
@@ -237,6 +240,7 @@ class Simulator:
             "gb_offloaded": c.offload_bytes / GB,
             "gb_onboarded": c.onboard_bytes / GB,
             "tokens_recomputed": c.tokens_recomputed,
+            "recompute_s": recompute_s,
             "gpu_prefix_hit_rate": m.gpu_hit_rate,
             "cpu_prefix_hit_rate": m.cpu_hit_rate,
             "transfer_s": transfer_s,

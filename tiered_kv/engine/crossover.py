@@ -1,0 +1,339 @@
+"""``tiered-kv crossover``: where does swapping beat recomputing, on this hardware?
+
+For context lengths from 256 tokens up to what fits, with the real model and
+the real copy engine, it measures:
+
+* swap-out time (GPU tier -> CPU tier) and swap-in time (back, into other blocks);
+* swap time with compute running beside it (a decode loop on another request);
+* recompute time (a prefill of the whole context).
+
+It prints a table with the winner per length and the crossover point, plots it,
+and writes a calibration file: the manager's cost model (bandwidth per
+direction, per-copy overhead, prefill curve) fitted to these measurements, and
+the engine's step-time model fitted to real engine steps, for
+``tiered-kv simulate --calibration`` and the cost-aware policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiered_kv.engine.engine import Engine
+from tiered_kv.engine.model import ModelConfig, TinyLlama
+from tiered_kv.manager.cost_model import CostModel, nnls
+from tiered_kv.sim.calibration import STEP_TERMS, Calibration, model_config_dict
+from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.transfer.plan import PlanKind, TransferPlan
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.current_stream().synchronize()  # measurement boundary only
+
+
+def measure_lengths(
+    config: ModelConfig,
+    block_size: int,
+    layout: str,
+    lengths: Sequence[int],
+    repeats: int,
+    device: str,
+    emit: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Swap-out, swap-in, swap beside compute, and recompute, per context length."""
+    spec = config.kv_spec(block_size)
+    max_blocks = -(-max(lengths) // block_size)
+    scratch_blocks = 256 // block_size
+    n_blocks = 2 * max_blocks + 2 + scratch_blocks
+    tiers = {
+        "GPU": KVStorage(spec, n_blocks, "GPU", layout, device=device),
+        "CPU": KVStorage(spec, n_blocks, "CPU", layout),
+    }
+    for t in tiers.values():
+        t.byte_view().zero_()
+    if device.startswith("cuda"):
+        from tiered_kv.transfer.cuda_engine import TorchCudaCopyEngine
+
+        copy = TorchCudaCopyEngine(tiers)
+    else:
+        from tiered_kv.transfer.cpu_engine import CpuCopyEngine
+
+        copy = CpuCopyEngine(tiers)
+    model = TinyLlama(config, device)
+    rng = random.Random(0)
+    pid = [0]
+    scratch = list(range(2 * max_blocks + 1, 2 * max_blocks + 1 + scratch_blocks))
+
+    def submit(src_m: str, dst_m: str, src: list[int], dst: list[int]):
+        pid[0] += 1
+        kind = PlanKind.SWAP_OUT if dst_m == "CPU" else PlanKind.SWAP_IN
+        return copy.submit(TransferPlan(pid[0], src_m, dst_m, tuple(src), tuple(dst), kind, urgent=dst_m == "GPU"))
+
+    def transfer(src_m: str, dst_m: str, src: list[int], dst: list[int]) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        h = submit(src_m, dst_m, src, dst)
+        if not h.wait(60):
+            raise RuntimeError(f"copy failed: {h.error}")
+        return time.perf_counter() - t0
+
+    def decode_step() -> None:
+        model.forward_chunk([1], 255, scratch, tiers["GPU"])
+
+    def beside_compute(table: list[int], other: list[int]) -> float:
+        """Both directions at once while a decode loop runs on a third context.
+
+        Timed by the copies' own completion stamps (set when each finishes), so the
+        result is not rounded up to whole decode steps.
+        """
+        _sync(device)
+        handles = [submit("GPU", "CPU", table, table), submit("CPU", "GPU", table, other)]
+        while not all(h.done() for h in handles):
+            decode_step()
+        for h in handles:
+            if not h.wait(60):
+                raise RuntimeError(f"copy failed: {h.error}")
+        return max(h.elapsed_s for h in handles)
+
+    def prefill(tokens: list[int], table: list[int]) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        model.forward_chunk(tokens, 0, table, tiers["GPU"])
+        _sync(device)
+        return time.perf_counter() - t0
+
+    rows = []
+    emit(
+        f"{'tokens':>7} {'blocks':>6} {'MiB':>7} {'swap-out ms':>11} {'swap-in ms':>10} {'swap+compute ms':>15} "
+        f"{'recompute ms':>12}  winner"
+    )
+    for length in lengths:
+        nb = -(-length // block_size)
+        table = list(range(1, nb + 1))
+        other = list(range(max_blocks + 1, max_blocks + 1 + nb))
+        tokens = [rng.randrange(config.vocab_size) for _ in range(length)]
+        recompute = min(prefill(tokens, table) for _ in range(repeats))
+        out = min(transfer("GPU", "CPU", table, table) for _ in range(repeats))
+        back = min(transfer("CPU", "GPU", table, other) for _ in range(repeats))
+        with_compute = min(beside_compute(table, other) for _ in range(repeats))
+        row = {
+            "tokens": length,
+            "blocks": nb,
+            "bytes": nb * spec.bytes_per_block,
+            "swap_out_s": out,
+            "swap_in_s": back,
+            "swap_with_compute_s": with_compute,
+            "recompute_s": recompute,
+            "winner": "swap" if out + back < recompute else "recompute",
+        }
+        rows.append(row)
+        emit(
+            f"{length:7d} {nb:6d} {row['bytes'] / 2**20:7.2f} {out * 1e3:11.3f} {back * 1e3:10.3f} "
+            f"{with_compute * 1e3:15.3f} {recompute * 1e3:12.3f}  {row['winner']}"
+        )
+    if hasattr(copy, "close"):
+        copy.close()
+    return rows
+
+
+def fit_step_model(
+    config: ModelConfig,
+    block_size: int,
+    layout: str,
+    device: str,
+    repeats: int,
+    seed: int = 1,
+    scale: float = 1.0,
+    max_prompt: int = 400,
+) -> tuple[tuple[float, float, float, float, float], float]:
+    """Fit the engine's step time on real engine steps; return the model and its mean relative error.
+
+    Short engine runs with 4, 8 and 16 running requests at most give steps whose
+    size, context and request count vary independently enough to separate the
+    terms; a fourth run under swap churn adds the cost of preemption and copies.
+    The fit is non-negative and weighted by relative error, so a millisecond
+    decode step counts as much as a long prefill.
+    """
+    rng = random.Random(seed)
+    steps: list[tuple] = []
+    # Three runs without memory pressure, then one under swap churn with a write-through CPU
+    # tier, so the fit also carries what preemption and copy threads cost a step.
+    free = 4096 // block_size + 2
+    runs = [
+        (4, free, "recompute", "none"),
+        (8, free, "recompute", "none"),
+        (16, free, "recompute", "none"),
+        (16, 1024 // block_size, "swap", "write_through"),
+    ]
+    for max_seqs, gpu_blocks, mode, offload in runs:
+        e = Engine(
+            config,
+            num_gpu_blocks=gpu_blocks,
+            num_cpu_blocks=8192 // block_size,
+            block_size=block_size,
+            layout=layout,
+            max_num_batched_tokens=512,
+            max_num_seqs=max_seqs,
+            device=device,
+            mode=mode,
+            offload=offload,
+        )
+        for i in range(max(4, int(scale * (3 * max_seqs + 8)))):
+            prompt = [rng.randrange(config.vocab_size) for _ in range(rng.randrange(16, max_prompt))]
+            e.add_request(i, prompt, rng.randrange(4, 48))
+        e.run()
+        e.close()
+        steps.extend(e.stats.step_log)
+    feats = [[1.0, float(t), float(a), float(kv), float(k)] for t, a, kv, k, _dt, _c in steps]
+    ys = [dt for *_, dt, _c in steps]
+    coef = nnls([[v / y for v in x] for x, y in zip(feats, ys, strict=True)], [1.0] * len(ys))
+    pred = [sum(c * v for c, v in zip(coef, x, strict=True)) for x in feats]
+    err = sum(abs(p - y) / y for p, y in zip(pred, ys, strict=True)) / len(ys)
+    return tuple(coef), err  # type: ignore[return-value]
+
+
+def crossover(
+    config: ModelConfig,
+    block_size: int = 16,
+    layout: str = "block_contiguous",
+    lengths: Sequence[int] | None = None,
+    max_tokens: int | None = None,
+    repeats: int = 3,
+    device: str | None = None,
+    emit: Callable[[str], None] = print,
+    step_scale: float = 1.0,
+) -> tuple[dict[str, Any], Calibration]:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if lengths is None:
+        # "Up to what fits": a prefill's attention scores take heads x L^2 floats; keep them under 512 MiB.
+        cap = max_tokens or int((512 * 2**20 / (4 * config.num_heads)) ** 0.5)
+        lengths = [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384) if n <= cap]
+    emit(
+        f"device: {device}; model: {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_heads} heads / {config.num_kv_heads} KV heads x {config.head_dim}, {config.dtype}; "
+        f"block {block_size} tokens, {layout}"
+    )
+    rows = measure_lengths(config, block_size, layout, lengths, repeats, device, emit)
+    spec = config.kv_spec(block_size)
+    # The link is fitted to the copies that ran beside compute: during serving every copy
+    # does, and on a shared machine the contention is part of what a copy costs.
+    transfers = [(d, r["bytes"], 1, r["swap_with_compute_s"]) for r in rows for d in ("D2H", "H2D")]
+    prefills = [(r["tokens"], r["recompute_s"]) for r in rows]
+    cm = CostModel(kv_bytes_per_token=spec.bytes_per_token, block_size=block_size).calibrated(transfers, prefills)
+    coef, fit_err = fit_step_model(
+        config, block_size, layout, device, repeats, scale=step_scale, max_prompt=min(400, max(lengths))
+    )
+    cal = Calibration(device, block_size, layout, model_config_dict(config), cm, tuple(coef))  # type: ignore[arg-type]
+    cross = None
+    for a, b in itertools.pairwise(rows):
+        if a["winner"] != b["winner"]:
+            cross = b["tokens"]
+            break
+    winners = {r["winner"] for r in rows}
+    summary = (
+        f"swap wins at every length measured ({rows[0]['tokens']}-{rows[-1]['tokens']} tokens)"
+        if winners == {"swap"}
+        else f"recompute wins at every length measured ({rows[0]['tokens']}-{rows[-1]['tokens']} tokens)"
+        if winners == {"recompute"}
+        else f"crossover at about {cross} tokens"
+    )
+    emit(f"\n{summary}")
+    emit(
+        f"calibrated: D2H {cm.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {cm.h2d_bytes_per_s / 1e9:.2f} GB/s, "
+        f"per-copy overhead {cm.per_copy_overhead_s * 1e6:.1f} us, prefill {cm.prefill_tokens_per_s:.0f} tok/s "
+        f"+ {cm.prefill_quadratic_s_per_token2:.3e} s/tok^2"
+    )
+    emit(
+        "step model ("
+        + ", ".join(f"{t}={c:.3e}" for t, c in zip(STEP_TERMS, coef, strict=True))
+        + f"): mean abs error {fit_err:.1%} on real engine steps"
+    )
+    doc = {
+        "device": device,
+        "model": model_config_dict(config),
+        "block_size": block_size,
+        "layout": layout,
+        "rows": rows,
+        "crossover_tokens": cross,
+        "summary": summary,
+        "step_fit_error": fit_err,
+        "calibration": cal.to_dict(),
+    }
+    return doc, cal
+
+
+def plot(doc: dict[str, Any], outdir: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    rows = doc["rows"]
+    x = [r["tokens"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(x, [1e3 * (r["swap_out_s"] + r["swap_in_s"]) for r in rows], marker="o", label="swap out + in")
+    ax.plot(x, [1e3 * r["swap_with_compute_s"] for r in rows], marker="s", label="swap beside compute")
+    ax.plot(x, [1e3 * r["recompute_s"] for r in rows], marker="^", label="recompute (prefill)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("time (ms)")
+    ax.set_title(f"swap vs recompute on {doc['device']}: {doc['summary']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    path = outdir / "crossover.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tiered-kv crossover", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, help="write the measurements here")
+    ap.add_argument("--plots", type=Path, help="write crossover.png here")
+    ap.add_argument("--calibration-out", type=Path, default=Path("out/calibration.json"))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layout", default="block_contiguous", choices=["block_contiguous", "layer_first"])
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args(argv)
+    config = ModelConfig(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=2 * args.hidden,
+        dtype=args.dtype,
+    )
+    doc, cal = crossover(config, args.block_size, args.layout, None, args.max_tokens, args.repeats)
+    cal.save(args.calibration_out)
+    print(f"wrote calibration {args.calibration_out}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1))
+        print(f"wrote {args.json}")
+    if args.plots:
+        print(f"wrote {plot(doc, args.plots)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
