@@ -260,7 +260,8 @@ class BlockPool:
             )
         cmap = self.cached_block_hash_to_block
         if num_full_blocks - num_cached_blocks == 1:
-            # Common case (a decode step filled one block): no slices, no zip.
+            # Common case (a decode step filled one block): the insertion of
+            # cache_block_hashes, inlined without slices, zip or a call on this hot path.
             block = blocks[num_cached_blocks]
             if block.block_hash is not None or block.is_null:
                 raise BlockStateError(f"block {block.block_id} is already cached or null; cannot cache it again")

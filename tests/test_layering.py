@@ -1,0 +1,73 @@
+"""Imports point one way (DESIGN.md): a layer imports only the layers below it.
+
+Within a layer, only these edges exist: transfer -> storage (the engines move
+storage's bytes), engine -> sim (the scheduler lives beside the simulator and
+the real engine reuses it), and the command line -> its tools and demo.
+``errors`` sits below every layer.
+"""
+
+import ast
+import pathlib
+
+import tiered_kv
+
+LAYER = {
+    "errors": -1,
+    "__init__": -1,
+    "core": 0,
+    "storage": 1,
+    "transfer": 1,
+    "manager": 2,
+    "sim": 3,
+    "engine": 3,
+    "demo": 4,
+    "tools": 4,
+    "cli": 4,
+}
+ALLOWED_SIDEWAYS = {
+    ("transfer", "storage"),
+    ("engine", "sim"),
+    ("cli", "tools"),
+    ("cli", "demo"),
+    ("__init__", "errors"),
+}
+
+
+def package_of(path: pathlib.Path, root: pathlib.Path) -> str:
+    rel = path.relative_to(root)
+    return rel.parts[0].removesuffix(".py")
+
+
+def test_imports_point_down():
+    root = pathlib.Path(tiered_kv.__file__).parent
+    bad = []
+    for path in root.rglob("*.py"):
+        src_pkg = package_of(path, root)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tiered_kv."):
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("tiered_kv.")]
+            for name in names:
+                dst_pkg = name.split(".")[1]
+                if dst_pkg == src_pkg or (src_pkg, dst_pkg) in ALLOWED_SIDEWAYS:
+                    continue
+                if LAYER[dst_pkg] >= LAYER[src_pkg]:
+                    bad.append(f"{path.relative_to(root)} imports {name}")
+    assert bad == []
+
+
+def test_core_and_transfer_plans_import_no_third_party_packages():
+    root = pathlib.Path(tiered_kv.__file__).parent
+    stdlib_only = [
+        *root.glob("core/*.py"),
+        root / "errors.py",
+        *(root / "transfer" / n for n in ("plan.py", "coalesce.py", "engine.py", "controlled.py")),
+        root / "storage" / "spec.py",
+    ]
+    for path in stdlib_only:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                mod = (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name) or ""
+                assert mod.split(".")[0] not in {"torch", "numpy", "cupy", "yaml"}, f"{path} imports {mod}"
