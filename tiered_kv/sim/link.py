@@ -8,11 +8,13 @@
   next ``poll``.  Compute and transfers overlap; a transfer only costs time
   when a request waits for it.
 * A direction with zero bandwidth is down: plans on it fail at once.
+* ``failure_rate`` injects failures at completion time (seeded), for fault tests.
 """
 
 from __future__ import annotations
 
 import math
+import random
 
 from tiered_kv.errors import TransferError
 from tiered_kv.sim.events import EventLoop
@@ -34,8 +36,13 @@ class SimCopyEngine:
         d2h_bytes_per_s: float,
         h2d_bytes_per_s: float,
         per_copy_overhead_s: float,
+        failure_rate: float = 0.0,
+        seed: int = 0,
     ) -> None:
         self.loop = loop
+        # Fault injection: each plan fails at its completion time with this probability.
+        self.failure_rate = failure_rate
+        self._rng = random.Random(seed)
         self.bytes_per_block = bytes_per_block
         self.bandwidth = {"D2H": d2h_bytes_per_s, "H2D": h2d_bytes_per_s}
         self.overhead = per_copy_overhead_s
@@ -61,6 +68,8 @@ class SimCopyEngine:
         self.end_of[plan.plan_id] = end
         self.intervals.append((start, end, direction, nbytes))
         handle.status = TransferStatus.RUNNING
+        if self.failure_rate and self._rng.random() < self.failure_rate:
+            handle._injected_failure = True  # type: ignore[attr-defined]
         self.loop.schedule(end, "transfer_done", handle)
         self.loop.log("transfer_start", (plan.plan_id, plan.kind.value, direction, plan.num_blocks, round(end, 9)))
         return handle
@@ -70,4 +79,7 @@ class SimCopyEngine:
 
     @staticmethod
     def finish(handle: TransferHandle) -> None:
-        handle._finish(TransferStatus.DONE)
+        if getattr(handle, "_injected_failure", False):
+            handle._finish(TransferStatus.FAILED, TransferError(f"plan {handle.plan.plan_id}: injected failure"))
+        else:
+            handle._finish(TransferStatus.DONE)

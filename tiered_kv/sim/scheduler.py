@@ -34,6 +34,9 @@ from tiered_kv.core.request import Request
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.states import PreemptMode, RequestState
 from tiered_kv.manager.tier_manager import Completion, PreemptionResult, TierManager
+from tiered_kv.transfer.plan import PlanKind
+
+_MOVES = frozenset({PlanKind.SWAP_OUT, PlanKind.SWAP_IN, PlanKind.ONBOARD})
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +111,9 @@ class Scheduler:
         """
         done = self.tm.poll()
         for c in done:
-            if c.ok or c.request_id is None or c.request_id not in self.requests:
+            # Only a failed swap-out, swap-in or onboarding moves a request; a failed cache
+            # offload leaves it where it is (the copy was of cached data, not its state).
+            if c.ok or c.kind not in _MOVES or c.request_id not in self.requests:
                 continue
             rid = c.request_id
             state = self.tm.state(rid)
@@ -117,9 +122,9 @@ class Scheduler:
             if rid in self.running:
                 self.running.remove(rid)
             self.pending_free.pop(rid, None)
-            if state is RequestState.RUNNING:
+            if state in (RequestState.RUNNING, RequestState.SWAPPING_IN):
                 self.running.append(rid)
-            elif state is RequestState.SWAPPED:
+            elif state in (RequestState.SWAPPED, RequestState.SWAPPING_OUT):
                 self.swapped.appendleft(rid)
             else:
                 self.waiting.appendleft(self.requests[rid])
