@@ -124,11 +124,19 @@ class BlockPool:
                 f"cannot get {num_blocks} free blocks from the {self.medium} pool: "
                 f"{fq.num_free_blocks} free of {self.num_blocks - 1}"
             )
-        if fq._num_stale:
-            ret = fq.popleft_n(num_blocks)
-        elif num_blocks == 1:
+        if num_blocks == 1:
+            # The decode hot path, inlined (no method call), skipping the dead entries
+            # that touch leaves behind (lazy removal, see free_queue.py).
+            dq = fq._dq
+            block = dq.popleft()
+            while block.stale:
+                block.stale -= 1
+                fq._num_stale -= 1
+                block = dq.popleft()
             fq.num_free_blocks -= 1
-            ret = [fq._dq.popleft()]
+            ret = [block]
+        elif fq._num_stale:
+            ret = fq.popleft_n(num_blocks)
         else:
             # No dead entries: pop n in one C-level loop (iter(callable, sentinel) never
             # reaches its sentinel because the deque holds blocks, not None).
@@ -137,7 +145,7 @@ class BlockPool:
         if self.enable_caching:
             cmap = self.cached_block_hash_to_block
             removed: list[BlockHash] | None = None
-            evicted: list[KVCacheBlock] = []
+            evicted: list[KVCacheBlock] | None = None  # built only when something is evicted
             for block in ret:
                 h = block.block_hash
                 if h is not None:
@@ -151,15 +159,16 @@ class BlockPool:
                     block.block_hash = None
                     if removed is None:
                         removed = [h]
+                        evicted = [block]
                     else:
                         removed.append(h)
-                    evicted.append(block)
+                        evicted.append(block)  # type: ignore[union-attr]
                 block.ref_cnt = 1
             if removed is not None:
                 if self.enable_kv_cache_events:
                     self.kv_event_queue.append(BlockRemoved(removed, self.medium))
                 if self.on_evict is not None:
-                    self.on_evict(evicted, removed)
+                    self.on_evict(evicted, removed)  # type: ignore[arg-type]
         else:
             for block in ret:
                 block.ref_cnt = 1
@@ -197,8 +206,6 @@ class BlockPool:
                 is the null block; every ref count is restored first.
         """
         blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
-        if self.null_block in blocks:
-            raise BlockStateError(f"cannot free the null block (block 0) of the {self.medium} pool")
         to_front: list[KVCacheBlock] = []
         to_back: list[KVCacheBlock] = []
         front = to_front.append
@@ -214,9 +221,11 @@ class BlockPool:
                     back(block)
             elif rc < 0:
                 bad = True
-        if bad:
+        if bad:  # the null block is never owned, so freeing it lands here too
             for block in blocks:
                 block.ref_cnt += 1
+            if self.null_block in blocks:
+                raise BlockStateError(f"cannot free the null block (block 0) of the {self.medium} pool")
             culprits = sorted({b.block_id for b in blocks if blocks.count(b) > b.ref_cnt})
             raise BlockStateError(f"double free in the {self.medium} pool: block(s) {culprits} have no owner left")
         fq = self.free_block_queue
