@@ -163,3 +163,21 @@ def test_bad_construction(kwargs, message):
     args.update(kwargs)
     with pytest.raises(InvalidArgumentError, match=message):
         TierManager(**args)
+
+
+def test_preempt_that_cannot_free_enough_returns_none_and_changes_nothing():
+    tm, _eng = make_tm(gpu=11, cpu=9)
+    run(tm, "a", "aaaabbbbcc")
+    run(tm, "b", "aaaabbbbdd")  # shares a's two full blocks: they are freed by neither alone
+    for mode in ("auto", "swap", "recompute"):
+        before = tm_snapshot(tm)
+        assert tm.preempt(6, mode=mode) is None  # at most 1 + 1 + 1 exclusive blocks exist
+        assert tm_snapshot(tm) == before
+    # swap mode with a full CPU tier: no victim can be swapped, nothing changes
+    tm2, _ = make_tm(gpu=11, cpu=3)
+    run(tm2, "big", "x" * 24)
+    before = tm_snapshot(tm2)
+    assert tm2.preempt(1, mode="swap") is None
+    assert tm_snapshot(tm2) == before
+    tm.check_invariants()
+    tm2.check_invariants()

@@ -98,17 +98,6 @@ class FreeBlockQueue:
         if self._num_stale > 64 and self._num_stale > self.num_free_blocks:
             self._compact()
 
-    def remove_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Remove several free blocks (each must be in the queue once)."""
-        n = 0
-        for block in blocks:
-            block.stale += 1
-            n += 1
-        self._num_stale += n
-        self.num_free_blocks -= n
-        if self._num_stale > 64 and self._num_stale > self.num_free_blocks:
-            self._compact()
-
     def _compact(self) -> None:
         """Drop every dead entry, keeping the live order (O(len) once per O(len) removes)."""
         live: list[KVCacheBlock] = []

@@ -105,7 +105,6 @@ class Layer(nn.Module):
         # Write the new K/V into the request's blocks, then read the whole context back through its table.
         k_cache[slot_blocks, slot_offsets] = k
         v_cache[slot_blocks, slot_offsets] = v
-        bs = k_cache.shape[1]
         keys = k_cache[table].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx_len]
         vals = v_cache[table].reshape(-1, c.num_kv_heads, c.head_dim)[:ctx_len]
         group = c.num_heads // c.num_kv_heads
@@ -117,7 +116,6 @@ class Layer(nn.Module):
         attn = torch.einsum("hnc,chd->nhd", scores.softmax(-1), vals).reshape(n, -1)
         x = x + self.wo(attn)
         h = self.mlp_norm(x)
-        del bs
         return x + self.w_down(nn.functional.silu(self.w_gate(h)) * self.w_up(h))
 
 

@@ -23,7 +23,7 @@ Failure keeps data where it was:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from tiered_kv.core.block import BlockHash, KVCacheBlock
@@ -1096,7 +1096,3 @@ class TierManager:
                     assert c is not None or i < e.num_kv_tokens // bs, f"{rid!r}: partial block {i} lost"
             elif e.state is RequestState.PREEMPTED:
                 assert req.num_computed_tokens == 0 and rid not in self.gpu.req_to_blocks and not e.cpu_table
-
-    # Convenience for schedulers that pass callables around.
-    def runnable_filter(self) -> Callable[[Hashable], bool]:
-        return self.is_runnable

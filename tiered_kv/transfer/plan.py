@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from tiered_kv.errors import PlanError, TransferError
@@ -177,8 +177,3 @@ class TransferHandle:
             self.elapsed_s = time.perf_counter() - self.submitted_at
         self._event.set()
         return True
-
-
-def check_ids(ids: Sequence[int]) -> tuple[int, ...]:
-    """Normalise block ids to a tuple of ints."""
-    return tuple(int(i) for i in ids)
