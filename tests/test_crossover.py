@@ -66,3 +66,32 @@ def test_bad_calibration_files(tmp_path):
     p.write_text('{"device": "cpu"}')
     with pytest.raises(ConfigError, match=r"calibration\.block_size: required key is missing"):
         load_calibration(p)
+
+
+def test_fidelity_reports_predicted_against_measured(measured, tmp_path):
+    import yaml
+
+    from tiered_kv.engine.fidelity import METRICS, fidelity
+
+    _, out = measured
+    raw = {k: v for k, v in TINY.items() if k not in ("memory", "workload", "runs", "model")}
+    raw["memory"] = {"block_size": 4, "gpu_blocks": 10, "cpu_blocks": 64, "activation_reserve_gib": 0}
+    raw["workload"] = {
+        "num_requests": 6,
+        "arrival": {"process": "fixed", "rate": 1000.0},
+        "prompt_len": {"dist": "fixed", "value": 12},
+        "output_len": {"dist": "fixed", "value": 5},
+    }
+    raw["runs"] = [{"name": "recompute", "mode": "recompute", "cpu_kv_gib": 0}, {"name": "swap", "mode": "swap"}]
+    cfg = tmp_path / "fid.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    lines = []
+    doc = fidelity(out / "cal.json", cfg, emit=lines.append)
+    rows = {(r["run"], r["metric"]): r for r in doc["rows"]}
+    for run in ("recompute", "swap"):
+        for m in METRICS:
+            assert (run, m) in rows
+        tp = rows[(run, "throughput_rps")]
+        assert tp["predicted"] > 0 and tp["measured"] > 0 and tp["error"] >= 0
+        assert rows[(run, "preemptions")]["measured"] >= 0
+    assert any("throughput error" in line for line in lines)

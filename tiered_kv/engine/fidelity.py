@@ -60,8 +60,7 @@ def run_engine(st: RunSetup, workload: list[SimRequest], cal: Calibration) -> di
         handles.append(h)
         return h
 
-    engine.copy.submit = recording_submit  # type: ignore[method-assign]
-    engine.tm.engine = engine.copy
+    engine.copy.submit = recording_submit  # type: ignore[method-assign]  (the manager holds the same object)
     vocab = config.vocab_size
     pending = deque(sorted(workload, key=lambda r: (r.arrival, r.rid)))
     finish: dict[int, float] = {}
@@ -108,7 +107,7 @@ def fidelity(
     emit: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     cal = load_calibration(calibration)
-    cfg = load_config(config or CONFIG_DIR / "fidelity-tiny.yaml")
+    cfg = load_config(config or CONFIG_DIR / "fidelity-tiny.yaml", calibration=cal)
     workload = generate(cfg["workload"], cfg["seed"])
     rows = []
     emit(f"{'run':22} {'metric':15} {'predicted':>10} {'measured':>10} {'error':>7}")

@@ -147,8 +147,16 @@ class RunSetup:
     chunked_prefill: bool
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Read and validate a YAML config (``None``: the default experiment)."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    calibration: Calibration | None = None,
+) -> dict[str, Any]:
+    """Read and validate a YAML config (``None``: the default experiment).
+
+    With ``calibration``, runs are checked against the calibrated model rather
+    than the config's model profile.
+    """
     import yaml
 
     p = Path(path) if path is not None else DEFAULT_CONFIG
@@ -168,7 +176,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             for k in parents:
                 node = node.setdefault(k, {})
             node[leaf] = value
-    cfg = validate_config(raw)
+    cfg = validate_config(raw, calibration)
     if cfg["name"] == "experiment":
         cfg["name"] = p.stem
     return cfg
@@ -186,7 +194,7 @@ def max_length(spec: dict[str, Any]) -> int:
     return min(top, spec["max"])
 
 
-def validate_config(raw: Any) -> dict[str, Any]:
+def validate_config(raw: Any, calibration: Calibration | None = None) -> dict[str, Any]:
     cfg = validate(raw, SCHEMA)
     mem = cfg["memory"]
     if mem["cpu_kv_gib"] > mem["host_memory_gib"]:
@@ -210,7 +218,7 @@ def validate_config(raw: Any) -> dict[str, Any]:
                 if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
                     raise ConfigError(f"sweep.{key}[{i}]: must be a number > 0, got {v!r}")
     for i in range(len(cfg["runs"])):
-        setup(cfg, i)  # resolve every run now, so impossible values fail before any simulation
+        setup(cfg, i, calibration)  # resolve every run now, so impossible values fail before any simulation
     return cfg
 
 

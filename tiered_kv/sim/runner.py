@@ -28,8 +28,8 @@ def simulate(
     With ``calibration`` (from ``tiered-kv crossover``) the measured model, link
     and step times replace the config's hardware and model profiles.
     """
-    cfg = load_config(config, overrides)
     cal = load_calibration(calibration) if calibration is not None else None
+    cfg = load_config(config, overrides, cal)
     workload = generate(cfg["workload"], cfg["seed"])
     first = setup(cfg, 0, cal)
     ratio = demand_ratio(cfg, first, workload)
