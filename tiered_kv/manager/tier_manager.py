@@ -23,7 +23,8 @@ Failure keeps data where it was:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tiered_kv.core.block import BlockHash, KVCacheBlock
@@ -321,8 +322,7 @@ class TierManager:
         if self.cpu_pool is not None and cpu_hits:
             self.cpu_pool.touch(cpu_hits)
         defer = self.offload == "on_evict"
-        self._allocating = e
-        try:
+        with self._allocating_for(e):
             new = self.gpu.allocate_slots(
                 request,
                 n_cpu + n_new,
@@ -331,8 +331,6 @@ class TierManager:
                 num_lookahead_tokens,
                 delay_cache_blocks=bool(cpu_hits) or defer,
             )
-        finally:
-            self._allocating = None
         assert new is not None, "allocation was checked to fit"
         if defer and not cpu_hits and not e.waits_on:
             self.gpu.cache_blocks(request, min(n_gpu + n_new, request.num_tokens))
@@ -387,17 +385,13 @@ class TierManager:
         # With on-evict offload, a new block may still be being copied out: cache the new
         # full blocks only if no such copy is pending, so nobody hits unwritten KV.  A
         # deferred block is cached when the step that computes it is allocated.
-        defer = self.offload == "on_evict"
-        self._allocating = e
-        try:
+        with self._allocating_for(e):
             new = self.gpu.allocate_slots(
-                e.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=defer
+                e.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=True
             )
-        finally:
-            self._allocating = None
         if new is not None:
             e.last_scheduled = self._next_tick()
-            if defer and not e.waits_on:
+            if not e.waits_on:
                 req = e.request
                 self.gpu.cache_blocks(req, min(req.num_computed_tokens + num_new_tokens, req.num_tokens))
         return new
@@ -472,6 +466,15 @@ class TierManager:
         if plan is not None and self._allocating is not None:
             # The new owner's writes are ordered after the copy out.
             self._allocating.waits_on.add(plan.plan_id)
+
+    @contextmanager
+    def _allocating_for(self, e: _Entry) -> Iterator[None]:
+        """GPU allocations inside belong to ``e``: on-evict offloads they trigger become its waits."""
+        self._allocating = e
+        try:
+            yield
+        finally:
+            self._allocating = None
 
     # ================================================================== quotes
     def quote(self, request_id: Hashable) -> Quote:
@@ -783,11 +786,8 @@ class TierManager:
         borrowed = [b for i, (is_hit, b) in enumerate(layout) if not is_hit and e.cpu_table[i] is None]
         self.cpu_pool.touch(borrowed)
         self.gpu_pool.touch(hits)
-        self._allocating = e
-        try:
+        with self._allocating_for(e):
             fresh = iter(self.gpu_pool.get_new_blocks(n_copy))
-        finally:
-            self._allocating = None
         table: list[KVCacheBlock] = []
         src: list[KVCacheBlock] = []
         dst: list[KVCacheBlock] = []

@@ -46,6 +46,17 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     path.write_text(json.dumps(doc, indent=1, sort_keys=True))
 
 
+def _save(fig: Any, path: Path, title: str) -> Path:
+    """Title, lay out, write and close one figure."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
     """Usage over time, latency CDFs, and the policies side by side."""
     import matplotlib
@@ -66,11 +77,7 @@ def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
     axes[2].set_ylabel("CPU prefix cache\nfill")
     axes[2].set_xlabel("simulated time (s)")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{title}: KV usage over time")
-    fig.tight_layout()
-    paths.append(outdir / "usage_over_time.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, outdir / "usage_over_time.png", f"{title}: KV usage over time"))
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for r in runs:
@@ -81,11 +88,7 @@ def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
     axes[1].set_xlabel("end-to-end latency (s)")
     axes[0].set_ylabel("fraction of requests")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"{title}: latency CDFs")
-    fig.tight_layout()
-    paths.append(outdir / "latency_cdf.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, outdir / "latency_cdf.png", f"{title}: latency CDFs"))
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 4))
     names = [r["run"] for r in runs]
@@ -107,11 +110,7 @@ def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
         ax.margins(y=0.12)
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    fig.suptitle(f"{title}: policies side by side")
-    fig.tight_layout()
-    paths.append(outdir / "policies.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, outdir / "policies.png", f"{title}: policies side by side"))
     return paths
 
 
@@ -132,9 +131,4 @@ def plot_sweep(rows: list[dict[str, Any]], outdir: Path, title: str) -> Path:
         ax.set_ylabel("throughput (req/s)")
         ax.set_title(f"arrival rate {rate}/s")
         ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path = outdir / "sweep.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, outdir / "sweep.png", title)
