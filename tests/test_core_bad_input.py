@@ -91,7 +91,7 @@ CASES = [
     (
         "negative lookahead",
         InvalidArgumentError,
-        "num_lookahead_tokens=-1",
+        "num_lookahead_tokens must be an int >= 0, got -1",
         lambda m, r: m.allocate_slots(r, 1, num_lookahead_tokens=-1),
     ),
     (

@@ -13,6 +13,7 @@ import tiered_kv
 
 LAYER = {
     "errors": -1,
+    "checks": -1,
     "__init__": -1,
     "core": 0,
     "storage": 1,
@@ -30,6 +31,7 @@ ALLOWED_SIDEWAYS = {
     ("cli", "tools"),
     ("cli", "demo"),
     ("__init__", "errors"),
+    ("checks", "errors"),
 }
 
 
@@ -63,6 +65,7 @@ def test_core_and_transfer_plans_import_no_third_party_packages():
     stdlib_only = [
         *root.glob("core/*.py"),
         root / "errors.py",
+        root / "checks.py",
         *(root / "transfer" / n for n in ("plan.py", "coalesce.py", "engine.py", "controlled.py")),
         root / "storage" / "spec.py",
     ]

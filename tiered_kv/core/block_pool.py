@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
+from tiered_kv import checks
 from tiered_kv.core.block import BlockHash, KVCacheBlock
 from tiered_kv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from tiered_kv.core.free_queue import FreeBlockQueue
@@ -67,6 +68,8 @@ class BlockPool:
             )
         if medium not in MEDIA:
             raise InvalidArgumentError(f"medium must be one of {MEDIA}, got {medium!r}")
+        checks.flag("enable_caching", enable_caching)
+        checks.flag("enable_kv_cache_events", enable_kv_cache_events)
         self.num_gpu_blocks = num_blocks  # vLLM's name, kept for adapters
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -86,6 +89,8 @@ class BlockPool:
     # ------------------------------------------------------------------ lookups
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The first block cached under ``block_hash``, or ``None`` on a miss."""
+        if block_hash.__class__ is not bytes and block_hash.__class__ is not int:
+            raise InvalidArgumentError(f"block_hash must be bytes or an int, got {checks.describe(block_hash)}")
         hit = self.cached_block_hash_to_block.get(block_hash)
         if hit is None or hit.__class__ is KVCacheBlock:
             return hit  # type: ignore[return-value]
@@ -178,8 +183,10 @@ class BlockPool:
         """A cache hit: add an owner to each block, pulling free ones out of the queue.
 
         Raises:
-            BlockStateError: the null block was passed (nothing changes).
+            BlockStateError: the null block, or a block of another pool, was
+                passed (nothing changes).
         """
+        blocks = self._own_blocks("blocks", blocks)
         if self.null_block in blocks:
             raise BlockStateError(f"cannot touch the null block (block 0) of the {self.medium} pool")
         removed = 0
@@ -195,6 +202,27 @@ class BlockPool:
             if fq._num_stale > 64 and fq._num_stale > fq.num_free_blocks:
                 fq._compact()
 
+    def _own_blocks(self, name: str, blocks: object) -> list[KVCacheBlock] | tuple[KVCacheBlock, ...]:
+        """``blocks`` as a list or tuple, after checking that every item is a block of this pool.
+
+        A block of another pool has an id that may also exist here; accepting it
+        would change the other pool's ref counts and corrupt both, so it is
+        refused by identity, not by id.
+        """
+        if blocks.__class__ is not list and blocks.__class__ is not tuple:
+            if isinstance(blocks, str | bytes) or not isinstance(blocks, Iterable):
+                raise InvalidArgumentError(f"{name} must be a sequence of KV blocks, got {checks.describe(blocks)}")
+            blocks = list(blocks)
+        own = self.blocks
+        n = len(own)
+        for b in blocks:  # type: ignore[union-attr]
+            if b.__class__ is not KVCacheBlock:
+                raise InvalidArgumentError(f"{name} must hold KVCacheBlock objects, got {checks.describe(b)}")
+            i = b.block_id
+            if i >= n or own[i] is not b:
+                raise BlockStateError(f"block {i} does not belong to this {self.medium} pool (a foreign block)")
+        return blocks  # type: ignore[return-value]
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one owner from each block; blocks reaching zero return to the queue.
 
@@ -202,10 +230,10 @@ class BlockPool:
         each group in the order given (pass a request's blocks last block first).
 
         Raises:
-            BlockStateError: a block would go below zero owners (double free) or
-                is the null block; every ref count is restored first.
+            BlockStateError: a block would go below zero owners (double free), is
+                the null block or belongs to another pool; nothing changes.
         """
-        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
+        blocks = self._own_blocks("ordered_blocks", ordered_blocks)
         to_front: list[KVCacheBlock] = []
         to_back: list[KVCacheBlock] = []
         front = to_front.append
@@ -251,8 +279,24 @@ class BlockPool:
 
         Raises:
             HashingError: a block in range is not full / not hashed yet.
-            BlockStateError: a block in range already has a hash or is null.
+            BlockStateError: a block in range already has a hash, is null or
+                belongs to another pool.
         """
+        if (
+            num_cached_blocks.__class__ is not int
+            or num_full_blocks.__class__ is not int
+            or block_size.__class__ is not int
+            or block_size <= 0
+        ):
+            raise InvalidArgumentError(
+                "num_cached_blocks and num_full_blocks must be ints and block_size an int > 0, got "
+                f"{checks.describe(num_cached_blocks)}, {checks.describe(num_full_blocks)}, "
+                f"{checks.describe(block_size)}"
+            )
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
+        if blocks.__class__ is not list and blocks.__class__ is not tuple:
+            raise InvalidArgumentError(f"blocks must be a list of KV blocks, got {checks.describe(blocks)}")
         if num_cached_blocks >= num_full_blocks:
             if num_cached_blocks < 0 or num_full_blocks < 0:
                 raise InvalidArgumentError(f"negative block counts: {num_cached_blocks}, {num_full_blocks}")
@@ -272,6 +316,12 @@ class BlockPool:
             # Common case (a decode step filled one block): the insertion of
             # cache_block_hashes, inlined without slices, zip or a call on this hot path.
             block = blocks[num_cached_blocks]
+            if (
+                block.__class__ is not KVCacheBlock
+                or block.block_id >= self.num_blocks
+                or self.blocks[block.block_id] is not block
+            ):
+                self._own_blocks("blocks", [block])  # raises the precise error
             if block.block_hash is not None or block.is_null:
                 raise BlockStateError(f"block {block.block_id} is already cached or null; cannot cache it again")
             h = hashes[num_cached_blocks]
@@ -307,6 +357,12 @@ class BlockPool:
         copy (swap-out, onboarding, offload) rather than by the request's own
         ``cache_full_blocks``.
         """
+        blocks = self._own_blocks("blocks", blocks)
+        if not isinstance(hashes, list | tuple):
+            raise InvalidArgumentError(f"hashes must be a list of block hashes, got {checks.describe(hashes)}")
+        for h in hashes:
+            if h.__class__ is not bytes and h.__class__ is not int:
+                raise InvalidArgumentError(f"a block hash must be bytes or an int, got {checks.describe(h)}")
         if len(blocks) != len(hashes):
             raise InvalidArgumentError(f"{len(blocks)} blocks but {len(hashes)} hashes")
         for block in blocks:

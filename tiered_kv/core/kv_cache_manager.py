@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from itertools import islice
 
+from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.block_pool import BlockPool
 from tiered_kv.core.events import KVCacheEvent
@@ -59,10 +60,16 @@ class KVCacheManager:
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
+        checks.count("hash_seed", hash_seed)
+        checks.flag("log_stats", log_stats)
+        if max_model_len is not None:
+            checks.count("max_model_len", max_model_len, 1)
         if block_pool is None:
             if num_blocks is None:
                 raise InvalidArgumentError("give num_blocks or block_pool")
             block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
+        elif not isinstance(block_pool, BlockPool):
+            raise InvalidArgumentError(f"block_pool must be a BlockPool, got {checks.describe(block_pool)}")
         self.block_pool = block_pool
         self.block_size = block_size
         self.enable_caching = block_pool.enable_caching
@@ -76,6 +83,8 @@ class KVCacheManager:
     # ------------------------------------------------------------------ lookup
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of ``request``: (blocks, tokens).  Does not touch."""
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
         if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         hashes = self.hasher.update(request)
@@ -104,6 +113,9 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
     ) -> int:
         """Free blocks ``allocate_slots`` would consume (new blocks plus evictable hits)."""
+        self._check_allocation(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens, False
+        )
         have = self.req_to_blocks.get(request.request_id)
         n_have = len(have) if have is not None else 0
         computed = new_computed_blocks or ()
@@ -138,14 +150,19 @@ class KVCacheManager:
             The newly allocated blocks (possibly empty), or ``None`` when they do
             not fit; then nothing at all has changed.
         """
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
         rid = request.request_id
         bs = self.block_size
         req_blocks = self.req_to_blocks.get(rid)
         if (
             new_computed_blocks is None
             and req_blocks is not None
+            and num_lookahead_tokens.__class__ is int
             and num_lookahead_tokens == 0
+            and num_new_computed_tokens.__class__ is int
             and num_new_computed_tokens == 0
+            and delay_cache_blocks.__class__ is bool
             and num_new_tokens.__class__ is int
             and num_new_tokens > 0
             and self.max_model_len is None
@@ -167,13 +184,14 @@ class KVCacheManager:
                     self.cache_blocks(request, total if total < n_tok else n_tok)
             return new_blocks
 
-        if num_new_tokens.__class__ is not int or num_new_tokens <= 0:
-            raise InvalidArgumentError(f"num_new_tokens must be an int > 0, got {num_new_tokens!r}")
-        if num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
-            raise InvalidArgumentError(
-                f"negative counts: num_lookahead_tokens={num_lookahead_tokens}, "
-                f"num_new_computed_tokens={num_new_computed_tokens}"
-            )
+        self._check_allocation(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            delay_cache_blocks,
+        )
         computed = new_computed_blocks or []
         if computed:
             if req_blocks:
@@ -215,8 +233,38 @@ class KVCacheManager:
             self.cache_blocks(request, n_tokens)
         return new_blocks
 
+    def _check_allocation(
+        self,
+        request: object,
+        num_new_tokens: object,
+        num_new_computed_tokens: object,
+        new_computed_blocks: object,
+        num_lookahead_tokens: object,
+        delay_cache_blocks: object,
+    ) -> None:
+        """Every argument of an allocation, checked before anything is touched or installed."""
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
+        checks.count("num_new_tokens", num_new_tokens, 1)
+        checks.count("num_new_computed_tokens", num_new_computed_tokens)
+        checks.count("num_lookahead_tokens", num_lookahead_tokens)
+        checks.flag("delay_cache_blocks", delay_cache_blocks)
+        if new_computed_blocks is not None:
+            if new_computed_blocks.__class__ is not list:
+                raise InvalidArgumentError(
+                    f"new_computed_blocks must be a list of blocks or None, got {checks.describe(new_computed_blocks)}"
+                )
+            self.block_pool._own_blocks("new_computed_blocks", new_computed_blocks)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache every full block of ``request`` within its first ``num_computed_tokens`` tokens."""
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
+        checks.count("num_computed_tokens", num_computed_tokens)
+        if num_computed_tokens > request.num_tokens:
+            raise InvalidArgumentError(
+                f"request {request.request_id!r}: cannot cache {num_computed_tokens} tokens of {request.num_tokens}"
+            )
         rid = request.request_id
         num_full = num_computed_tokens // self.block_size
         n_cached = self.num_cached_block.get(rid, 0)
@@ -233,6 +281,8 @@ class KVCacheManager:
         A request with no blocks (never allocated, or already freed) is a no-op,
         as in vLLM: schedulers free waiting requests that never got memory.
         """
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
@@ -241,9 +291,11 @@ class KVCacheManager:
     # ------------------------------------------------------------- inspection
     def get_blocks(self, request_id: Hashable) -> list[KVCacheBlock]:
         """The request's block table (the live list: do not mutate)."""
+        checks.hashable("request_id", request_id)
         return self.req_to_blocks.get(request_id, [])
 
     def get_block_ids(self, request_id: Hashable) -> list[int]:
+        checks.hashable("request_id", request_id)
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     @property

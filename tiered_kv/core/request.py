@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from tiered_kv import checks
 from tiered_kv.core.block import BlockHash
 from tiered_kv.errors import InvalidArgumentError
 
@@ -16,6 +18,12 @@ class MultiModalFeature:
     identifier: str
     offset: int
     length: int
+
+
+def _check_tokens(request_id: Hashable, tokens: Sequence[int]) -> None:
+    if not all(t.__class__ is int for t in tokens):
+        bad = next(t for t in tokens if t.__class__ is not int)
+        raise InvalidArgumentError(f"request {request_id!r}: token ids must be ints, got {checks.describe(bad)}")
 
 
 class Request:
@@ -58,10 +66,31 @@ class Request:
         arrival_time: float = 0.0,
         skip_prefix_cache: bool = False,
     ) -> None:
+        checks.hashable("request_id", request_id)
+        if isinstance(prompt_token_ids, str | bytes) or not isinstance(prompt_token_ids, Sequence):
+            raise InvalidArgumentError(
+                f"request {request_id!r}: prompt_token_ids must be a sequence of ints, "
+                f"got {checks.describe(prompt_token_ids)}"
+            )
         if len(prompt_token_ids) == 0:
             raise InvalidArgumentError(f"request {request_id!r}: the prompt must have at least one token")
-        if not isinstance(max_tokens, int) or max_tokens < 0:
-            raise InvalidArgumentError(f"request {request_id!r}: max_tokens must be an int >= 0, got {max_tokens!r}")
+        _check_tokens(request_id, prompt_token_ids)
+        if max_tokens.__class__ is not int or max_tokens < 0:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: max_tokens must be an int >= 0, got {checks.describe(max_tokens)}"
+            )
+        for name, value in (("lora_name", lora_name), ("cache_salt", cache_salt)):
+            if value is not None and value.__class__ is not str:
+                raise InvalidArgumentError(f"request {request_id!r}: {name} must be a str or None, got {value!r}")
+        if arrival_time.__class__ not in (int, float) or not math.isfinite(arrival_time):
+            raise InvalidArgumentError(
+                f"request {request_id!r}: arrival_time must be a finite number, got {checks.describe(arrival_time)}"
+            )
+        checks.flag("skip_prefix_cache", skip_prefix_cache)
+        mm_features = tuple(mm_features)
+        for mm in mm_features:
+            if not isinstance(mm, MultiModalFeature):
+                raise InvalidArgumentError(f"request {request_id!r}: mm_features must hold MultiModalFeature records")
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
@@ -97,11 +126,17 @@ class Request:
         return self.num_output_tokens >= self.max_tokens
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
-        """Append sampled (final) tokens."""
-        if isinstance(token_ids, int):
-            self.all_token_ids.append(token_ids)
-        else:
-            self.all_token_ids.extend(token_ids)
+        """Append sampled (final) tokens (an int, or a sequence of ints)."""
+        if token_ids.__class__ is int:
+            self.all_token_ids.append(token_ids)  # type: ignore[arg-type]
+            return
+        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+            raise InvalidArgumentError(
+                f"request {self.request_id!r}: token_ids must be an int or a sequence of ints, "
+                f"got {checks.describe(token_ids)}"
+            )
+        _check_tokens(self.request_id, token_ids)
+        self.all_token_ids.extend(token_ids)
 
     def __repr__(self) -> str:
         return (
