@@ -181,3 +181,103 @@ def test_cuda_compute_stream_waits_on_swap_in_without_host_sync():
     out = t["GPU"].block(6).float().sum()  # runs on the current stream after the copy
     assert torch.isclose(out.cpu(), want[3].float().sum())
     assert h.wait() and h.elapsed_s >= 0
+
+
+def test_cancel_racing_the_last_chunk_answers_truthfully_and_leaks_nothing_to_a_reused_id():
+    """A plan finishing while cancel runs: cancel's answer matches the final status, and the id is clean.
+
+    The handle's ``done()`` is wrapped so that cancel's first look lets the
+    copy try to finish (for up to half a second) and then answers "not done":
+    the worst interleaving, made deterministic.  Whatever the engine decides,
+    ``cancel`` must return True exactly when the handle ends CANCELLED, and a
+    later plan reusing the id must run to completion.
+    """
+    t = tiers("block_contiguous")
+    gate = threading.Event()
+
+    def hold(plan, run):
+        if plan.plan_id == 1 and not gate.is_set():
+            assert gate.wait(10)
+
+    with CpuCopyEngine(t, copy_hook=hold) as eng:
+        h = eng.submit(TransferPlan(1, "GPU", "CPU", (1,), (1,), PlanKind.SWAP_OUT))
+        while h.status is TransferStatus.PENDING:
+            threading.Event().wait(0.001)
+        real_done = h.done
+        calls = []
+
+        def racing_done():
+            if not calls:
+                calls.append(1)
+                gate.set()  # let the worker finish its only chunk...
+                h.wait(0.5)
+                return False  # ...while cancel believes it is still running
+            return real_done()
+
+        h.done = racing_done
+        answer = eng.cancel(h)
+        assert h.wait(10) is not None and real_done()
+        assert calls and answer == (h.status is TransferStatus.CANCELLED)
+        again = eng.submit(TransferPlan(1, "GPU", "CPU", (2,), (2,), PlanKind.SWAP_OUT))
+        assert again.wait(10) and again.status is TransferStatus.DONE
+
+
+def test_cancel_true_means_cancelled_even_after_the_last_chunk():
+    """A cancel registered while the last chunk copies still ends the plan CANCELLED (never DONE)."""
+    t = tiers("block_contiguous")
+    started, gate = threading.Event(), threading.Event()
+
+    def hold(plan, run):
+        started.set()
+        assert gate.wait(10)
+
+    with CpuCopyEngine(t, copy_hook=hold) as eng:
+        h = eng.submit(TransferPlan(1, "GPU", "CPU", (1,), (1,), PlanKind.SWAP_OUT))
+        assert started.wait(10)
+        assert eng.cancel(h) is True
+        gate.set()
+        h.wait(10)
+    assert h.status is TransferStatus.CANCELLED
+
+
+@pytest.mark.parametrize("kind", ["cpu", "controlled"])
+@pytest.mark.parametrize("bad", [None, "plan 1", 1, (1, "GPU", "CPU")])
+def test_engines_refuse_what_is_not_a_plan_or_a_handle(kind, bad):
+    t = tiers("block_contiguous")
+    eng = make_engine(kind, t)
+    try:
+        with pytest.raises(PlanError, match="takes a TransferPlan"):
+            eng.submit(bad)
+        with pytest.raises(PlanError, match="takes a TransferHandle"):
+            eng.cancel(bad)
+        h = eng.submit(TransferPlan(1, "GPU", "CPU", (1,), (1,), PlanKind.SWAP_OUT))
+        assert finish(eng, h)  # the engine still works
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"plan_id": 1.0}, "plan_id must be an int"),
+        ({"plan_id": True}, "plan_id must be an int"),
+        ({"src_block_ids": [1]}, "src_block_ids must be a tuple of ints"),
+        ({"dst_block_ids": (1.0,)}, "dst_block_ids must be a tuple of ints"),
+        ({"wait_for": (None,)}, "wait_for must be a tuple of ints"),
+        ({"src_medium": None}, "src_medium must name a tier"),
+        ({"kind": "swap_out"}, "kind must be a PlanKind"),
+        ({"urgent": 1}, "urgent a bool"),
+    ],
+)
+def test_plans_with_fields_of_the_wrong_type_are_refused(kwargs, message):
+    args = {
+        "plan_id": 1,
+        "src_medium": "GPU",
+        "dst_medium": "CPU",
+        "src_block_ids": (1,),
+        "dst_block_ids": (2,),
+        "kind": PlanKind.SWAP_OUT,
+    }
+    args.update(kwargs)
+    with pytest.raises(PlanError, match=message):
+        TransferPlan(**args)

@@ -36,6 +36,8 @@ class ControlledCopyEngine:
         self.submitted: list[TransferPlan] = []
 
     def submit(self, plan: TransferPlan) -> TransferHandle:
+        if not isinstance(plan, TransferPlan):
+            raise PlanError(f"submit() takes a TransferPlan, got {type(plan).__name__}")
         if self.num_blocks is not None:
             plan.validate(self.num_blocks[plan.src_medium], self.num_blocks[plan.dst_medium])
         if plan.plan_id in self.pending:
@@ -79,7 +81,9 @@ class ControlledCopyEngine:
         return handle
 
     def cancel(self, handle: TransferHandle) -> bool:
-        if handle.plan.plan_id not in self.pending:
+        if not isinstance(handle, TransferHandle):
+            raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
+        if self.pending.get(handle.plan.plan_id) is not handle:
             return False
         self.pending.pop(handle.plan.plan_id)
         return handle._cancel_if_pending(TransferError(f"plan {handle.plan.plan_id}: cancelled"))

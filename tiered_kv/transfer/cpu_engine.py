@@ -38,11 +38,13 @@ class CpuCopyEngine(StorageEngineBase):
         self._queues: dict[str, queue.Queue] = {lane: queue.Queue() for lane in LANES}
         self._threads: dict[str, threading.Thread] = {}
         self._live: dict[int, TransferHandle] = {}
-        self._cancel: set[int] = set()
+        self._cancelled: set[int] = set()  # id() of running handles whose cancel was registered
         self._lock = threading.Lock()
         self._closed = False
 
     def submit(self, plan: TransferPlan) -> TransferHandle:
+        if not isinstance(plan, TransferPlan):
+            raise PlanError(f"submit() takes a TransferPlan, got {type(plan).__name__}")
         if self._closed:
             raise PlanError("engine is closed")
         prep = self.prepare(plan)
@@ -59,20 +61,42 @@ class CpuCopyEngine(StorageEngineBase):
         return handle
 
     def cancel(self, handle: TransferHandle) -> bool:
-        """Cancel if not final: at once when still queued, else at the next chunk boundary."""
-        if handle.done():
-            return False
+        """Cancel a plan that is not final; True exactly when the handle ends CANCELLED.
+
+        A queued plan is cancelled at once.  A running plan is marked under the
+        engine's lock; the worker checks the mark under the same lock at every
+        chunk boundary, the last one included, so a True answer can never be
+        followed by a DONE handle, and a plan that finished first answers False.
+        The mark lives on the handle, so nothing stale can touch a later plan
+        that reuses the plan id.
+        """
+        if not isinstance(handle, TransferHandle):
+            raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
         if handle._cancel_if_pending(TransferError(f"plan {handle.plan.plan_id}: cancelled")):
-            self._forget(handle.plan.plan_id)
+            self._forget(handle)
             return True
-        with self._lock:  # running: the worker stops at the next chunk boundary
-            self._cancel.add(handle.plan.plan_id)
+        with self._lock:
+            if handle.done() or self._live.get(handle.plan.plan_id) is not handle:
+                return False
+            self._cancelled.add(id(handle))
         return True
 
-    def _forget(self, plan_id: int) -> None:
+    def _forget(self, handle: TransferHandle) -> None:
         with self._lock:
-            self._live.pop(plan_id, None)
-            self._cancel.discard(plan_id)
+            if self._live.get(handle.plan.plan_id) is handle:
+                del self._live[handle.plan.plan_id]
+            self._cancelled.discard(id(handle))
+
+    def _end(self, handle: TransferHandle, status: TransferStatus, error: BaseException | None = None) -> None:
+        """Finish the handle, unless a cancel was registered first (checked under the lock)."""
+        plan_id = handle.plan.plan_id
+        with self._lock:
+            if id(handle) in self._cancelled and status is TransferStatus.DONE:
+                status, error = TransferStatus.CANCELLED, TransferError(f"plan {plan_id}: cancelled")
+            handle._finish(status, error)
+            if self._live.get(plan_id) is handle:
+                del self._live[plan_id]
+            self._cancelled.discard(id(handle))
 
     def _worker(self, lane: str) -> None:
         q = self._queues[lane]
@@ -94,17 +118,15 @@ class CpuCopyEngine(StorageEngineBase):
             return  # cancelled while queued
         try:
             for ci, chunk in enumerate(prep.chunks):
-                if plan.plan_id in self._cancel:
-                    handle._finish(TransferStatus.CANCELLED, TransferError(f"plan {plan.plan_id}: cancelled"))
+                if id(handle) in self._cancelled:
+                    self._end(handle, TransferStatus.CANCELLED, TransferError(f"plan {plan.plan_id}: cancelled"))
                     return
                 for run in chunk:
                     self._record(prep, ci, run)
                     self.copy_run(plan, run)
-            handle._finish(TransferStatus.DONE)
+            self._end(handle, TransferStatus.DONE)
         except Exception as exc:  # any copy failure fails the plan; the source is only read
-            handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
-        finally:
-            self._forget(plan.plan_id)
+            self._end(handle, TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
 
     def close(self) -> None:
         """Finish queued work, then stop the workers."""

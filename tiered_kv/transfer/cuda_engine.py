@@ -75,6 +75,8 @@ class TorchCudaCopyEngine(StorageEngineBase):
         self._events: dict[int, torch.cuda.Event] = {}
 
     def submit(self, plan: TransferPlan, compute_stream: torch.cuda.Stream | None = None) -> TransferHandle:
+        if not isinstance(plan, TransferPlan):
+            raise PlanError(f"submit() takes a TransferPlan, got {type(plan).__name__}")
         prep = self.prepare(plan)
         if plan.plan_id in self._events and not self._events[plan.plan_id].query():
             raise PlanError(f"plan {plan.plan_id} is already in flight")
@@ -109,6 +111,9 @@ class TorchCudaCopyEngine(StorageEngineBase):
         return handle
 
     def cancel(self, handle: TransferHandle) -> bool:
+        """Issued CUDA copies cannot be recalled: always False (after checking the argument)."""
+        if not isinstance(handle, TransferHandle):
+            raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
         return False
 
     def make_compute_wait(self, handle: TransferHandle, stream: torch.cuda.Stream | None = None) -> None:

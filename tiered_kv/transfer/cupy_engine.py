@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tiered_kv.errors import TransferError
+from tiered_kv.errors import PlanError, TransferError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import segment_offsets
 from tiered_kv.transfer.coalesce import CopyRun
@@ -83,6 +83,8 @@ class CupyCopyEngine(StorageEngineBase):
         return self.tiers[medium].kv.data_ptr()
 
     def submit(self, plan: TransferPlan) -> TransferHandle:
+        if not isinstance(plan, TransferPlan):
+            raise PlanError(f"submit() takes a TransferPlan, got {type(plan).__name__}")
         prep = self.prepare(plan)
         stream = self.streams[prep.lane]
         handle = _CupyHandle(plan, num_bytes=prep.num_bytes)
@@ -133,6 +135,9 @@ class CupyCopyEngine(StorageEngineBase):
             self.kernel((len(s_ptrs),), (256,), (s_arr, d_arr, cp.uint64(self.spec.segment_bytes)))
 
     def cancel(self, handle: TransferHandle) -> bool:
+        """Issued CUDA copies cannot be recalled: always False (after checking the argument)."""
+        if not isinstance(handle, TransferHandle):
+            raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
         return False
 
 

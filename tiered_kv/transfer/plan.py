@@ -57,6 +57,20 @@ class TransferPlan:
     urgent: bool = False
     wait_for: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Types only; ranges are checked against real pools by ``validate``.
+        if self.plan_id.__class__ is not int or self.plan_id < 0:
+            raise PlanError(f"plan_id must be an int >= 0, got {self.plan_id!r}")
+        for name in ("src_medium", "dst_medium"):
+            if getattr(self, name).__class__ is not str or not getattr(self, name):
+                raise PlanError(f"plan {self.plan_id}: {name} must name a tier, got {getattr(self, name)!r}")
+        for name in ("src_block_ids", "dst_block_ids", "wait_for"):
+            ids = getattr(self, name)
+            if ids.__class__ is not tuple or not all(i.__class__ is int for i in ids):
+                raise PlanError(f"plan {self.plan_id}: {name} must be a tuple of ints, got {ids!r}")
+        if not isinstance(self.kind, PlanKind) or self.urgent.__class__ is not bool:
+            raise PlanError(f"plan {self.plan_id}: kind must be a PlanKind and urgent a bool")
+
     @property
     def num_blocks(self) -> int:
         return len(self.src_block_ids)
