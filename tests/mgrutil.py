@@ -47,7 +47,6 @@ def tm_snapshot(tm: TierManager) -> tuple:
                 [c.block_id if c else None for c in e.cpu_table],
                 e.request.num_computed_tokens,
                 e.num_kv_tokens,
-                sorted(e.waits_on),
                 e.plan_id,
             )
             for rid, e in tm._entries.items()

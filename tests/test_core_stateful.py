@@ -21,7 +21,8 @@ NUM_BLOCKS = 12
 
 
 class Reference:
-    def __init__(self) -> None:
+    def __init__(self, caching: bool = True) -> None:
+        self.caching = caching
         self.free = list(range(1, NUM_BLOCKS))
         self.ref = [0] * NUM_BLOCKS
         self.key: list[tuple | None] = [None] * NUM_BLOCKS
@@ -43,6 +44,8 @@ class Reference:
         return out
 
     def _cache(self, rid: str, tokens: list[int], upto: int) -> None:
+        if not self.caching:
+            return
         table = self.tables[rid]
         for i in range(self.ncached[rid], upto // BS):
             k = tuple(tokens[: (i + 1) * BS])
@@ -52,7 +55,7 @@ class Reference:
 
     def admit(self, rid: str, tokens: list[int]) -> bool:
         hits = []
-        for i in range((len(tokens) - 1) // BS):
+        for i in range((len(tokens) - 1) // BS if self.caching else 0):
             blocks = self.map.get(tuple(tokens[: (i + 1) * BS]))
             if not blocks:
                 break
@@ -88,10 +91,12 @@ class Reference:
 
 
 class PoolMachine(RuleBasedStateMachine):
+    CACHING = True
+
     def __init__(self) -> None:
         super().__init__()
-        self.mgr = KVCacheManager(NUM_BLOCKS, block_size=BS, hash_fn="fast")
-        self.ref = Reference()
+        self.mgr = KVCacheManager(NUM_BLOCKS, block_size=BS, hash_fn="fast", enable_caching=self.CACHING)
+        self.ref = Reference(self.CACHING)
         self.reqs: dict[str, Request] = {}
         self.next_id = 0
 
@@ -156,7 +161,16 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.get_num_free_blocks() == NUM_BLOCKS - 1
 
 
-PoolMachine.TestCase.settings = settings(
+class PoolMachineWithoutCaching(PoolMachine):
+    """Prefix caching off: no hits, nothing hashed, every freed block to the front (a LIFO allocator)."""
+
+    CACHING = False
+
+
+SETTINGS = settings(
     max_examples=int(os.environ.get("TIERED_KV_STATEFUL_EXAMPLES", "200")), stateful_step_count=40, deadline=None
 )
+PoolMachine.TestCase.settings = SETTINGS
+PoolMachineWithoutCaching.TestCase.settings = SETTINGS
 TestPool = PoolMachine.TestCase
+TestPoolWithoutCaching = PoolMachineWithoutCaching.TestCase

@@ -14,6 +14,7 @@ in these runs, which the tests also check, so no token can flip within it.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -167,3 +168,38 @@ def test_chunked_prefill_under_preemption(mode):
     assert all(s[0] <= 8 for s in e.stats.step_log)  # the budget held...
     assert max(len(p) for p in ps.values()) > 8 and any(s[0] == 8 for s in e.stats.step_log)  # ...so prompts were split
     check(e, ps, "block_contiguous", exact_logits=False)
+
+
+class SlowDeviceToHost(CpuCopyEngine):
+    """Copies out of the GPU tier take longer than a step, so saves are still in flight while others compute."""
+
+    def copy_run(self, plan, run, non_blocking=False):
+        if plan.direction == "D2H":
+            time.sleep(0.01)
+        super().copy_run(plan, run, non_blocking)
+
+
+@pytest.mark.parametrize("window", [1, 4, 64])
+def test_on_evict_offload_under_a_slow_copy_engine_serves_exact_tokens(window):
+    """The wrong-KV scenario: a prefix saved on eviction by a slow copy, evicted, then onboarded by a later request."""
+    rng = random.Random(11)
+    prefix = [rng.randrange(512) for _ in range(24)]
+    first = {0: [*prefix, 1, 2, 3]}
+    fillers = {i: [rng.randrange(512) for _ in range(rng.randrange(30, 44))] for i in (1, 2, 3)}
+    later = {4: [*prefix, 9, 8, 7, 6], 5: [*prefix[:16], 5, 5]}
+    e = Engine(
+        num_gpu_blocks=24,
+        offload="on_evict",
+        copy_engine=SlowDeviceToHost,
+        record_logits=True,
+        evict_window=window,
+    )
+    for group in (first, fillers, later):
+        for rid, p in group.items():
+            e.add_request(rid, p, MAX_TOKENS)
+        e.run()
+    e.close()
+    c = e.tm.metrics().counters
+    assert c.offload_blocks > 0 and c.onboard_blocks > 0
+    check(e, {**first, **fillers, **later}, "block_contiguous", exact_logits=False)
+    e.tm.check_invariants()

@@ -59,7 +59,7 @@ CASES = [
     (
         "admitting with zero tokens",
         InvalidArgumentError,
-        "num_new_tokens must be > 0",
+        "num_new_tokens must be an int > 0, got 0",
         lambda tm, eng: tm.admit(Request("new", letters("abc")), 0),
     ),
     (

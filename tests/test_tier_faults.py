@@ -8,7 +8,7 @@ from poolutil import letters
 from tiered_kv.core import Request
 from tiered_kv.errors import InvalidTransitionError, PlanError
 from tiered_kv.manager import RequestState
-from tiered_kv.transfer import TransferHandle, TransferPlan
+from tiered_kv.transfer import PlanKind, TransferHandle, TransferPlan
 
 
 def setup(**kw):
@@ -166,37 +166,102 @@ def test_completing_twice_or_a_forged_plan_is_refused_and_changes_nothing():
     assert tm_snapshot(tm) == before
 
 
-def test_swap_in_into_an_evicted_block_waits_for_its_offload():
-    tm, eng, kv = setup(gpu=5, offload="on_evict")
+def test_on_evict_never_hands_out_a_block_a_copy_still_reads():
+    """The wrong-KV bug: a growing request computed at once must not overwrite a block being saved.
+
+    P's cached blocks reach the front of the GPU free queue and are saved to the
+    CPU by a slow copy.  A running request then grows and is computed in the
+    same step, as any scheduler does after a successful ``allocate``.  The
+    blocks it gets must not be the ones the copy is reading, so the CPU tier
+    ends up holding P's KV under P's hashes, and a request that onboards P's
+    prefix later reads P's tokens.
+    """
+    tm, eng, kv = setup(gpu=7, offload="on_evict", evict_window=2)
     p = compute_run(tm, kv, "P", "AAAABBBBC")  # [1 2 3]
+    kv.learn(p, 4)
     tm.finish("P")
-    assert gq(tm) == ["3", "4", "2*", "1*"]
-    a = Request("A", letters("XXXXYYYYZ"))
-    res = tm.admit(a, 9)  # takes 3 4 2: block 2 (P's AAAABBBB) is offloaded first
-    (o1,) = tm.plans_in_flight()
-    assert o1.src_block_ids == (2,) and not res.runnable
-    eng.complete(o1.plan_id)
+    assert gq(tm) == ["3", "4", "5", "6", "2*", "1*"]
+    b = compute_run(tm, kv, "B", "YYYYZ")  # [3 4]
+    tm.poll()  # on-evict: the window [5 6] holds no cached block; nothing to save
+    assert tm.plans_in_flight() == []
+    # B grows by 11 tokens: 2 more blocks, 5 and 6.  Then P's 2* and 1* are at the front.
+    b.append_output_token_ids(letters("ZZZZZZZZZZZ"))
+    assert tm.allocate("B", 11) is not None and tm.gpu_block_ids("B") == [3, 4, 5, 6]
+    kv.compute(tm, "B", 16)
+    b.num_computed_tokens = 16
     tm.poll()
-    assert tm.allocate("A", 9) == []  # the step that computes A: its full blocks get cached now
-    kv.compute(tm, "A", 9)
-    a.num_computed_tokens = 9
-    tm.preempt_request("A", "swap")
+    (save,) = tm.plans_in_flight()
+    assert save.kind is PlanKind.OFFLOAD and save.src_block_ids == (2, 1)  # in eviction order
+    assert tm.blocks_freed_on_completion() == 2
+    # C arrives while the save is still copying.  It gets no block the copy reads: there is none free.
+    c = Request("C", letters("WWWW"))
+    assert tm.admit(c, 4) is None
+    # The copy lands; the saved blocks are free again where they were, and C takes one of them now.
+    eng.complete(save.plan_id)
+    tm.poll()
+    assert gq(tm)[:2] == ["2*", "1*"]
+    res = tm.admit(c, 4)
+    assert res is not None and res.runnable and tm.gpu_block_ids("C") == [2]
+    kv.compute(tm, "C", 4)  # overwrites block 2 on the GPU: its old contents are safe on the CPU
+    c.num_computed_tokens = 4
+    kv.check_cached(tm)
+    # A later request with P's prefix onboards it from the CPU and gets P's tokens.
+    q = Request("Q", letters("AAAABBBBQ"))
+    tm.finish("B")
+    res = tm.admit(q, 9)
+    assert (res.num_gpu_hit_tokens, res.num_cpu_hit_tokens) == (4, 4)  # AAAA still on the GPU, BBBB from the CPU
     eng.complete_all()
     tm.poll()
-    assert gq(tm) == ["2", "1*", "4*", "3*"]
-    f = Request("F", letters("ffff"))
-    tm.admit(f, 4)  # takes 2
-    res = tm.resume("A")  # 3 and 4 re-hit; the partial block lands in block 1, evicting P's AAAA
-    o2, s2 = sorted(tm.plans_in_flight(), key=lambda x: x.plan_id)
-    assert (o2.kind.value, o2.src_block_ids) == ("offload", (1,))
-    assert (s2.kind.value, s2.dst_block_ids, s2.wait_for) == ("swap_in", (1,), (o2.plan_id,))
-    with pytest.raises(PlanError, match=f"must wait for plan\\(s\\) \\[{o2.plan_id}\\]"):
-        eng.complete(s2.plan_id)
-    eng.complete(o2.plan_id)
-    eng.complete(s2.plan_id)
-    tm.poll()
-    assert tm.is_runnable("A") and tm.gpu_block_ids("A") == [3, 4, 1]
-    kv.check(tm)
-    cpu_copy = tm.cpu_pool.get_cached_block(p.block_hashes[0])
-    assert kv.store["CPU"][cpu_copy.block_id] == tuple(letters("AAAA"))  # the old contents were saved first
+    onboarded = [kv.store["GPU"][i] for i in tm.gpu_block_ids("Q")[:2]]
+    assert onboarded == [tuple(letters("AAAA")), tuple(letters("BBBB"))]
     tm.check_invariants()
+
+
+def test_a_request_computed_right_after_allocate_never_corrupts_the_cpu_tier():
+    """Randomised on-evict churn, computing every successful allocation at once (the scheduler's way)."""
+    import random
+
+    rng = random.Random(7)
+    tm, eng, kv = setup(gpu=9, cpu=12, offload="on_evict", evict_window=3)
+    live: dict[str, Request] = {}
+    for step in range(400):
+        tm.poll()
+        action = rng.random()
+        if action < 0.3 or not live:
+            rid = f"r{step}"
+            text = rng.choice(["AAAABBBB", "CCCCDDDD", "AAAACCCC", ""]) + "".join(rng.choice("xyz") for _ in range(3))
+            req = Request(rid, letters(text))
+            res = tm.admit(req, req.num_tokens)
+            if res is None:
+                continue
+            if res.plan is not None:  # onboarding CPU hits: the request runs once they land
+                eng.complete(res.plan.plan_id)
+                tm.poll()
+                if not tm.is_runnable(rid):
+                    tm.finish(rid)
+                    continue
+                assert tm.allocate(rid, req.num_tokens - req.num_computed_tokens) is not None
+            kv.compute(tm, rid, req.num_tokens)  # computed at once, as after any successful allocation
+            req.num_computed_tokens = req.num_tokens
+            kv.learn(req, 4)
+            live[rid] = req
+        elif action < 0.7:
+            rid = rng.choice(sorted(live))
+            req = live[rid]
+            req.append_output_token_ids(letters(rng.choice("xyz") * rng.randint(1, 5)))
+            n = req.num_tokens - req.num_computed_tokens
+            if tm.allocate(rid, n) is None:
+                del req.all_token_ids[req.num_computed_tokens :]
+            else:
+                kv.compute(tm, rid, req.num_tokens)
+                req.num_computed_tokens = req.num_tokens
+                kv.learn(req, 4)
+        elif action < 0.85:
+            tm.finish(live.pop(rng.choice(sorted(live))).request_id)
+        elif eng.pending_ids():
+            eng.complete(rng.choice(eng.pending_ids()))
+        kv.check_cached(tm)
+    eng.complete_all()
+    tm.poll()
+    kv.check_cached(tm)
+    assert tm.metrics().counters.offload_blocks > 0

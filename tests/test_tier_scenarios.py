@@ -160,25 +160,30 @@ def test_write_through_sources_stay_held_until_the_copy_finishes():
     tm.check_invariants()
 
 
-def test_on_evict_copies_a_cached_block_out_before_its_new_owner_writes():
-    tm, eng = make_tm(gpu=5, offload="on_evict")
+def test_on_evict_saves_the_blocks_nearest_eviction_and_keeps_their_place():
+    tm, eng = make_tm(gpu=6, offload="on_evict", evict_window=3)
     p = run(tm, "P", "AAAABBBBC")  # [1 2 3]
     tm.finish("P")
-    assert gq(tm) == ["3", "4", "2*", "1*"]
-    n = Request("N", letters("n" * 13))
-    res = tm.admit(n, 13)  # 4 blocks: 3 4 2 1 -> 2 and 1 evicted, offloaded first
+    assert gq(tm) == ["3", "4", "5", "2*", "1*"]
+    tm.poll()  # the window [3 4 5] holds nothing cached
+    assert tm.plans_in_flight() == []
+    run(tm, "N", "n" * 8)  # takes 3 4
+    tm.poll()  # window [5 2* 1*]: P's two blocks are saved, in eviction order
     (plan,) = tm.plans_in_flight()
-    assert plan.kind is PlanKind.OFFLOAD and plan.src_block_ids == (2, 1)
-    assert not res.runnable and not tm.is_runnable("N")
-    assert [tm.gpu_pool.blocks[i].ref_cnt for i in (1, 2)] == [2, 2]
-    # N's own full blocks are not findable until N may write them.
-    assert tm.gpu_pool.get_cached_block(n.block_hashes[0]) is None
+    assert plan.kind is PlanKind.OFFLOAD and plan.src_block_ids == (2, 1) and plan.request_id is None
+    # Held while copied: not free, so nothing can be handed them; they still hit on the GPU.
+    assert gq(tm) == ["5"] and [tm.gpu_pool.blocks[i].ref_cnt for i in (1, 2)] == [1, 1]
+    assert tm.gpu_pool.get_cached_block(p.block_hashes[0]).block_id == 1
+    assert tm.admit(Request("M", letters("m" * 8)), 8) is None  # needs 2 blocks, 1 is free
+    assert tm.blocks_freed_on_completion() == 2
     eng.complete(plan.plan_id)
     tm.poll()
-    assert tm.is_runnable("N")
+    # Back exactly where they were, cached on both tiers; nothing new to save.
+    assert gq(tm) == ["5", "2*", "1*"] and tm.plans_in_flight() == []
     assert tm.cpu_pool.get_cached_block(p.block_hashes[0]) is not None
-    assert tm.allocate("N", 13) == []  # the step that computes N caches its blocks now
-    assert tm.gpu_pool.get_cached_block(n.block_hashes[0]) is not None
+    res = tm.admit(Request("M", letters("m" * 8)), 8)  # takes 5 and 2: evicts 2, which the CPU has
+    assert res.runnable and tm.gpu_block_ids("M") == [5, 2]
+    assert tm.metrics().counters.offload_blocks == 2
     tm.check_invariants()
 
 

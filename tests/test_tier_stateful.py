@@ -36,12 +36,25 @@ class TierMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tm is None)
     @rule(
-        offload=st.sampled_from(["none", "write_through", "on_evict"]),
+        offload=st.sampled_from(["none", "write_through", "on_evict", "no caching"]),
         policy=st.sampled_from(["lru", "largest", "prefill_aware", "cost_aware"]),
+        window=st.integers(1, 6),
     )
-    def configure(self, offload, policy):
+    def configure(self, offload, policy, window):
         cm = CostModel(kv_bytes_per_token=8, block_size=BS)
-        self.tm = TierManager(GPU, CPU, BS, self.eng, cost_model=cm, offload=offload, policy=policy, hash_fn="fast")
+        caching = offload != "no caching"
+        self.tm = TierManager(
+            GPU,
+            CPU,
+            BS,
+            self.eng,
+            cost_model=cm,
+            offload=offload if caching else "none",
+            policy=policy,
+            hash_fn="fast",
+            enable_caching=caching,
+            evict_window=window,
+        )
 
     def _runnable(self):
         return sorted(r for r in self.tm.requests(RequestState.RUNNING) if self.tm.is_runnable(r))
@@ -50,6 +63,7 @@ class TierMachine(RuleBasedStateMachine):
         e = self.tm._entries[rid]
         self.kv.compute(self.tm, rid, e.request.num_computed_tokens + n)
         e.request.num_computed_tokens += n
+        self.kv.learn(e.request, BS)
         self.tm.on_tokens_computed(rid)
 
     @precondition(lambda self: self.tm is not None)
@@ -103,7 +117,10 @@ class TierMachine(RuleBasedStateMachine):
         if self.tm.allocate(rid, pending) is None:
             if appended:
                 del req.all_token_ids[-appended:]  # not scheduled: the sample never happened
-        elif self.tm.is_runnable(rid):
+        else:
+            # A successful allocation of a running request may be computed at once, whatever
+            # copies are in flight: no block it got is read or written by a copy.
+            assert self.tm.is_runnable(rid)
             self._compute(rid, pending)
 
     @precondition(lambda self: self.tm is not None)

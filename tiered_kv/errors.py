@@ -56,3 +56,7 @@ class ConfigError(TieredKVError, ValueError):
 
 class StorageError(TieredKVError, RuntimeError):
     """KV storage could not be allocated or pinned."""
+
+
+class ConcurrentUseError(TieredKVError, RuntimeError):
+    """A single-threaded object was entered by a second thread while the first was inside."""

@@ -262,6 +262,38 @@ class BlockPool:
         if to_back:
             fq.append_n(to_back)
 
+    def peek_free_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """The blocks ``get_new_blocks(num_blocks)`` would hand out now (fewer if fewer are free).
+
+        Nothing changes.  A tier manager looks here to save cached blocks to a
+        lower tier before they reach the front and are evicted.
+        """
+        checks.count("num_blocks", num_blocks)
+        return self.free_block_queue.peek(num_blocks)
+
+    def release_in_place(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Drop one owner from each block; a block left with none is free again where it was.
+
+        ``free_blocks`` re-queues a freed block by the caching rule (front
+        without a hash, back with one).  A *temporary hold* must not move a
+        block, or holding it would change the eviction order: a copy that saves
+        a cached block before its eviction takes it with ``touch`` and gives it
+        back here, and the block returns to the place in the free queue it left
+        (the front, if that place was compacted away), hash and all.
+
+        Raises:
+            BlockStateError: a block has no owner, is null or is foreign (nothing changes).
+        """
+        blocks = self._own_blocks("blocks", blocks)
+        for b in blocks:
+            if b.is_null or b.ref_cnt - blocks.count(b) < 0:
+                raise BlockStateError(f"block {b.block_id} of the {self.medium} pool has no owner to release")
+        fq = self.free_block_queue
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                fq.restore(b)
+
     # ------------------------------------------------------------------ caching
     def cache_full_blocks(
         self,

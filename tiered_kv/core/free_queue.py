@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 
 from tiered_kv.core.block import KVCacheBlock
 
@@ -89,6 +89,42 @@ class FreeBlockQueue:
         """Put one block at the back."""
         self._dq.append(block)
         self.num_free_blocks += 1
+
+    def restore(self, block: KVCacheBlock) -> None:
+        """Undo the latest ``remove`` of ``block``: it is free again at the place it left.
+
+        The dead entry that ``remove`` left behind is the block's rearmost
+        entry, and it is still where the block was; with one stale count less,
+        "skip the first ``stale`` entries" makes exactly that entry live again.
+        If compaction has dropped it meanwhile, the block goes to the front,
+        which is where a block nearest eviction was.
+        """
+        if block.stale:
+            block.stale -= 1
+            self._num_stale -= 1
+            self.num_free_blocks += 1
+        else:
+            self._dq.appendleft(block)
+            self.num_free_blocks += 1
+
+    def peek(self, n: int) -> list[KVCacheBlock]:
+        """The first ``n`` free blocks in reuse order (fewer if fewer are free), without taking them."""
+        out: list[KVCacheBlock] = []
+        if n <= 0:
+            return out
+        if not self._num_stale:
+            return list(islice(self._dq, n))
+        skipped: dict[int, int] = {}
+        for block in self._dq:
+            if block.stale:
+                seen = skipped.get(block.block_id, 0)
+                if seen < block.stale:
+                    skipped[block.block_id] = seen + 1
+                    continue
+            out.append(block)
+            if len(out) == n:
+                break
+        return out
 
     def remove(self, block: KVCacheBlock) -> None:
         """Remove a free block from wherever it is in the queue, in O(1) amortised."""

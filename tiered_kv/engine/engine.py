@@ -44,7 +44,7 @@ class Engine:
         num_gpu_blocks / num_cpu_blocks: Tier sizes (null block included).
         block_size: Tokens per block.
         layout: KV layout of both tiers.
-        policy / mode / offload: Passed to the tier manager.
+        policy / mode / offload / evict_window: Passed to the tier manager.
         cost_model: For the cost-aware policy (e.g. from ``tiered-kv crossover``).
         copy_engine: Factory ``tiers -> engine``; default: CUDA streams on a GPU, else CPU threads.
         record_logits: Keep the logits every sampled token came from.
@@ -69,6 +69,7 @@ class Engine:
         device: str | None = None,
         record_logits: bool = False,
         hash_fn: str = "sha256",
+        evict_window: int = 64,
     ) -> None:
         self.config = model_config or ModelConfig()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,6 +106,7 @@ class Engine:
             mode=mode,
             offload=offload,
             hash_fn=hash_fn,
+            evict_window=evict_window,
         )
         self.scheduler = Scheduler(
             self.tm,

@@ -23,20 +23,23 @@ Failure keeps data where it was:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator
-from contextlib import contextmanager
+import functools
+import threading
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+from tiered_kv import checks
 from tiered_kv.core.block import BlockHash, KVCacheBlock
 from tiered_kv.core.block_pool import BlockPool
 from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import (
+    ConcurrentUseError,
     InvalidArgumentError,
     InvalidTransitionError,
     PlanError,
-    TieredKVError,
     UnknownRequestError,
 )
 from tiered_kv.manager.cost_model import CostModel
@@ -46,6 +49,35 @@ from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, RequestState
 from tiered_kv.transfer.coalesce import count_runs
 from tiered_kv.transfer.engine import CopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan, TransferStatus
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _exclusive(method: _F) -> _F:
+    """Refuse entry while another thread is inside this manager.
+
+    The manager is single-threaded by design (one scheduler drives it, as in
+    vLLM); copy engines complete handles on their own threads but never call
+    the manager.  Two threads interleaving calls would corrupt its books, so a
+    second thread entering is an error, not a wait.  The lock is re-entrant:
+    the owning thread may call back in (an engine's ``submit`` may poll).
+    """
+
+    @functools.wraps(method)
+    def guarded(self: TierManager, *args: Any, **kwargs: Any) -> Any:
+        lock = self._lock
+        if not lock.acquire(False):
+            raise ConcurrentUseError(
+                f"TierManager.{method.__name__} was called while another thread is inside the manager; "
+                "a TierManager is single-threaded: drive it from one thread at a time"
+            )
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            lock.release()
+
+    return guarded  # type: ignore[return-value]
+
 
 OFFLOAD_POLICIES = ("none", "write_through", "on_evict")
 
@@ -67,7 +99,6 @@ class _Entry:
     cpu_table: list[KVCacheBlock | None] = field(default_factory=list)
     num_kv_tokens: int = 0  # tokens of KV kept while swapped
     plan_id: int | None = None  # the swap/onboard plan in flight
-    waits_on: set[int] = field(default_factory=set)  # on-evict offloads its writes must follow
     num_offloaded_blocks: int = 0  # write-through progress (prompt blocks)
     lost_tokens: int = 0  # computed tokens dropped by recompute preemption, not yet recomputed
 
@@ -82,6 +113,7 @@ class _PlanRecord:
     cache_on_done: list[tuple[KVCacheBlock, BlockHash]]
     cpu_table: list[KVCacheBlock | None] | None = None  # swap-out: the table to install
     tokens: int = 0  # swap-in/onboard: tokens that become computed
+    in_place: bool = False  # GPU holds go back where they were (a save before eviction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,11 +177,10 @@ class DecisionLogEntry:
 class AdmitResult:
     """Outcome of ``admit``.
 
-    ``runnable`` is False while CPU prefix hits are being onboarded (or an
-    on-evict offload must finish first); the scheduler computes the request only
-    once ``TierManager.is_runnable`` says so, and then calls
-    ``allocate(request_id, n)`` for the tokens of that step as for any running
-    request (no new blocks are needed; it caches the blocks that step fills).
+    ``runnable`` is False while CPU prefix hits are being onboarded; the
+    scheduler computes the request only once ``TierManager.is_runnable`` says
+    so, and then calls ``allocate(request_id, n)`` for the tokens of that step
+    as for any running request (no new blocks are needed).
     """
 
     new_blocks: list[KVCacheBlock]
@@ -188,9 +219,23 @@ class TierManager:
         policy: Default victim policy (name or instance).
         mode: Default preemption mode: ``"swap"``, ``"recompute"`` or ``"auto"``.
         offload: CPU prefix-tier policy: ``"none"``, ``"write_through"`` (full
-            prompt blocks copied once computed) or ``"on_evict"`` (a hashed GPU
-            block is copied out when it is about to be evicted).
+            prompt blocks copied once computed) or ``"on_evict"`` (cached GPU
+            blocks nearing eviction are copied out first; see ``poll``).
+        enable_caching: Prefix caching.  Off: nothing is hashed or cached in
+            either tier; swaps still work, per request.  ``offload`` needs it.
         hash_fn / hash_seed: Block hashing (shared by both tiers).
+        evict_window: With ``offload="on_evict"``: how many blocks at the
+            eviction end of the GPU free queue are kept saved on the CPU.
+
+    A block that a copy reads or writes is never handed to a new owner: every
+    plan holds a reference on each GPU and CPU block it touches until it
+    settles, and the pools never hand out a held block.  That is what makes
+    on-evict offload safe by construction: the blocks it saves are held while
+    they are copied, so the allocation that evicts cached data later takes
+    other blocks, or takes these only once their contents are on the CPU.
+
+    Not thread-safe: one thread drives a manager; a second thread entering
+    while the first is inside raises :class:`~tiered_kv.errors.ConcurrentUseError`.
     """
 
     def __init__(
@@ -207,19 +252,37 @@ class TierManager:
         enable_caching: bool = True,
         hash_fn: str | HashFn = "sha256",
         hash_seed: int = 0,
+        evict_window: int = 64,
     ) -> None:
-        if mode not in MODES:
-            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
-        if offload not in OFFLOAD_POLICIES:
-            raise InvalidArgumentError(f"offload must be one of {OFFLOAD_POLICIES}, got {offload!r}")
-        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0 or num_cpu_blocks == 1:
-            raise InvalidArgumentError(f"num_cpu_blocks must be 0 or an int >= 2, got {num_cpu_blocks!r}")
+        checks.choice("mode", mode, MODES)
+        checks.choice("offload", offload, OFFLOAD_POLICIES)
+        if num_cpu_blocks.__class__ is not int or num_cpu_blocks < 0 or num_cpu_blocks == 1:
+            raise InvalidArgumentError(
+                f"num_cpu_blocks must be 0 or an int >= 2, got {checks.describe(num_cpu_blocks)}"
+            )
+        checks.flag("enable_caching", enable_caching)
+        checks.count("evict_window", evict_window, 1)
+        if offload != "none" and not enable_caching:
+            raise InvalidArgumentError(
+                f"offload={offload!r} keeps a CPU prefix tier, which needs prefix caching; "
+                "use offload='none' with enable_caching=False"
+            )
+        for name in ("submit", "cancel"):
+            if not callable(getattr(copy_engine, name, None)):
+                raise InvalidArgumentError(
+                    f"copy_engine must have submit() and cancel() (a CopyEngine), got {checks.describe(copy_engine)}"
+                )
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise InvalidArgumentError(f"cost_model must be a CostModel, got {checks.describe(cost_model)}")
+        if not isinstance(policy, str | VictimPolicy):
+            raise InvalidArgumentError(f"policy must be a policy name or a VictimPolicy, got {checks.describe(policy)}")
         self.gpu = KVCacheManager(
             num_gpu_blocks, block_size, enable_caching=enable_caching, hash_fn=hash_fn, hash_seed=hash_seed
         )
         self.gpu_pool = self.gpu.block_pool
         self.cpu_pool: BlockPool | None = BlockPool(num_cpu_blocks, True, medium="CPU") if num_cpu_blocks else None
         self.block_size = block_size
+        self.caching = enable_caching
         self.engine = copy_engine
         self.cost_model = cost_model or CostModel(kv_bytes_per_token=128 * 1024, block_size=block_size)
         if self.cost_model.block_size != block_size:
@@ -229,6 +292,7 @@ class TierManager:
         self.policy = get_policy(policy)
         self.mode = mode
         self.offload = offload if self.cpu_pool is not None else "none"
+        self.evict_window = evict_window
         self.counters = TierCounters()
         self.decision_log: list[DecisionLogEntry] = []
         self._entries: dict[Hashable, _Entry] = {}
@@ -236,9 +300,7 @@ class TierManager:
         self._next_plan_id = 1
         self._seq = 0
         self._tick = 0
-        self._allocating: _Entry | None = None
-        if self.offload == "on_evict":
-            self.gpu_pool.on_evict = self._offload_on_evict
+        self._lock = threading.RLock()
 
     # ================================================================ lookups
     @property
@@ -250,24 +312,51 @@ class TierManager:
             return self._entries[request_id]
         except KeyError:
             raise UnknownRequestError(f"request {request_id!r} is not managed by this tier manager") from None
+        except TypeError:
+            raise InvalidArgumentError(f"request_id must be a hashable id, got {checks.describe(request_id)}") from None
 
+    @_exclusive
     def state(self, request_id: Hashable) -> RequestState:
         return self._entry(request_id).state
 
+    @_exclusive
     def is_runnable(self, request_id: Hashable) -> bool:
-        """RUNNING, with no copy it must wait for.  Only then may compute touch its KV."""
-        e = self._entry(request_id)
-        return e.state is RequestState.RUNNING and not e.waits_on
+        """RUNNING: its KV is on the GPU, and no copy writes it.  Only then may compute touch it."""
+        return self._entry(request_id).state is RequestState.RUNNING
 
+    @_exclusive
     def gpu_block_ids(self, request_id: Hashable) -> list[int]:
-        return self.gpu.get_block_ids(request_id)
+        return self.gpu.get_block_ids(self._entry(request_id).request.request_id)
 
+    @_exclusive
     def cpu_block_ids(self, request_id: Hashable) -> list[int | None]:
         return [b.block_id if b is not None else None for b in self._entry(request_id).cpu_table]
 
+    @_exclusive
     def requests(self, state: RequestState | None = None) -> list[Hashable]:
         """Managed request ids (in admission order), optionally of one state."""
+        if state is not None and not isinstance(state, RequestState):
+            raise InvalidArgumentError(f"state must be a RequestState or None, got {checks.describe(state)}")
         return [rid for rid, e in self._entries.items() if state is None or e.state is state]
+
+    @_exclusive
+    def blocks_freed_on_completion(self) -> int:
+        """GPU blocks that copies in flight hold and will free when they settle.
+
+        Swap-outs free their victims' blocks, and saves before eviction give
+        theirs back; a scheduler that cannot allocate counts these before it
+        preempts anyone, because waiting for a copy is cheaper than a preemption.
+        """
+        n = 0
+        for r in self._plans.values():
+            kind = r.plan.kind
+            if kind is PlanKind.SWAP_OUT:
+                e = self._entries.get(r.plan.request_id)
+                if e is not None:
+                    n += sum(1 for b in self.gpu.get_blocks(e.request.request_id) if b.ref_cnt == 1)
+            elif kind is PlanKind.OFFLOAD:
+                n += sum(1 for b in r.gpu_holds if b.ref_cnt == 1)
+        return n
 
     def _cpu_chain(self, request: Request, start: int, max_blocks: int) -> list[KVCacheBlock]:
         """Continue a prefix lookup on the CPU tier from block ``start``."""
@@ -283,24 +372,24 @@ class TierManager:
         return out
 
     # ============================================================== admission
+    @_exclusive
     def admit(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> AdmitResult | None:
         """Admit a new (or recompute-preempted) request: prefix lookup on GPU then CPU, then allocate.
 
         GPU hits are touched; CPU hits are onboarded into fresh GPU blocks by an
         ONBOARD plan, and the request is runnable only once it lands.  Returns
-        ``None`` with nothing changed when the GPU blocks do not fit.
+        ``None`` with nothing changed when the GPU blocks do not fit.  Every
+        argument is checked before anything changes.
         """
+        checks.instance("request", request, Request)
+        checks.count("num_new_tokens", num_new_tokens, 1)
+        checks.count("num_lookahead_tokens", num_lookahead_tokens)
         rid = request.request_id
         existing = self._entries.get(rid)
         if existing is not None and existing.state is not RequestState.PREEMPTED:
             raise InvalidTransitionError(f"request {rid!r} is already {existing.state.value}; cannot admit it")
         if existing is not None and existing.request is not request:
             raise InvalidArgumentError(f"request id {rid!r} is managed with a different Request object")
-        if num_new_tokens <= 0 or num_lookahead_tokens < 0:
-            raise InvalidArgumentError(
-                f"request {rid!r}: num_new_tokens must be > 0 and lookahead >= 0, "
-                f"got {num_new_tokens}, {num_lookahead_tokens}"
-            )
         if request.num_computed_tokens != 0:
             raise InvalidArgumentError(f"request {rid!r}: a new request must have num_computed_tokens == 0")
         if num_new_tokens > request.num_tokens:
@@ -309,7 +398,7 @@ class TierManager:
             )
         gpu_hits, n_gpu = self.gpu.get_computed_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        cpu_hits = self._cpu_chain(request, len(gpu_hits), max_blocks) if self.gpu.enable_caching else []
+        cpu_hits = self._cpu_chain(request, len(gpu_hits), max_blocks) if self.caching else []
         n_cpu = len(cpu_hits) * self.block_size
         # New tokens start after every hit; never schedule past the request's tokens.
         n_new = min(num_new_tokens, request.num_tokens - n_gpu - n_cpu)
@@ -321,19 +410,10 @@ class TierManager:
         self._entries[rid] = e
         if self.cpu_pool is not None and cpu_hits:
             self.cpu_pool.touch(cpu_hits)
-        defer = self.offload == "on_evict"
-        with self._allocating_for(e):
-            new = self.gpu.allocate_slots(
-                request,
-                n_cpu + n_new,
-                n_gpu,
-                gpu_hits,
-                num_lookahead_tokens,
-                delay_cache_blocks=bool(cpu_hits) or defer,
-            )
+        new = self.gpu.allocate_slots(
+            request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, delay_cache_blocks=bool(cpu_hits)
+        )
         assert new is not None, "allocation was checked to fit"
-        if defer and not cpu_hits and not e.waits_on:
-            self.gpu.cache_blocks(request, min(n_gpu + n_new, request.num_tokens))
         self._count_lookup(request, n_gpu, n_cpu)
         if e.lost_tokens:
             self.counters.tokens_recomputed += max(e.lost_tokens - n_gpu - n_cpu, 0)
@@ -347,7 +427,7 @@ class TierManager:
             dst = table[len(gpu_hits) : len(gpu_hits) + len(cpu_hits)]
             hashes = request.block_hashes[len(gpu_hits) : len(gpu_hits) + len(cpu_hits)]
             record = _PlanRecord(
-                self._make_plan(CPU, GPU, cpu_hits, dst, PlanKind.ONBOARD, rid, urgent=True, wait_for=e.waits_on),
+                self._make_plan(CPU, GPU, cpu_hits, dst, PlanKind.ONBOARD, rid, urgent=True),
                 None,
                 gpu_holds=[],
                 cpu_holds=list(cpu_hits),
@@ -358,7 +438,7 @@ class TierManager:
             e.plan_id = record.plan.plan_id
             plan = record.plan
             self._submit(record)
-        return AdmitResult(new, n_gpu, n_cpu, n_new, plan, self.is_runnable(rid))
+        return AdmitResult(new, n_gpu, n_cpu, n_new, plan, e.state is RequestState.RUNNING)
 
     def _count_lookup(self, request: Request, n_gpu: int, n_cpu: int) -> None:
         c = self.counters
@@ -368,38 +448,30 @@ class TierManager:
             c.cpu_query_tokens += request.num_tokens - n_gpu
             c.cpu_hit_tokens += n_cpu
 
+    @_exclusive
     def allocate(
         self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> list[KVCacheBlock] | None:
         """Grow a runnable request by ``num_new_tokens`` (+ lookahead); ``None`` if it does not fit."""
-        e = self._entries.get(request_id)
+        try:
+            e = self._entries.get(request_id)
+        except TypeError:
+            e = None  # unhashable: _entry below names the problem
         if e is None or e.state is not RequestState.RUNNING:
             e = self._entry(request_id)
             raise InvalidTransitionError(f"request {request_id!r} is {e.state.value}; only running requests grow")
-        if self.offload != "on_evict":
-            new = self.gpu.allocate_slots(e.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
-            if new is not None:
-                self._tick += 1
-                e.last_scheduled = self._tick
-            return new
-        # With on-evict offload, a new block may still be being copied out: cache the new
-        # full blocks only if no such copy is pending, so nobody hits unwritten KV.  A
-        # deferred block is cached when the step that computes it is allocated.
-        with self._allocating_for(e):
-            new = self.gpu.allocate_slots(
-                e.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=True
-            )
+        new = self.gpu.allocate_slots(e.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
         if new is not None:
-            e.last_scheduled = self._next_tick()
-            if not e.waits_on:
-                req = e.request
-                self.gpu.cache_blocks(req, min(req.num_computed_tokens + num_new_tokens, req.num_tokens))
+            self._tick += 1
+            e.last_scheduled = self._tick
         return new
 
+    @_exclusive
     def mark_scheduled(self, request_id: Hashable) -> None:
         """Record that the request was scheduled now (for LRU) without allocating."""
         self._entry(request_id).last_scheduled = self._next_tick()
 
+    @_exclusive
     def on_tokens_computed(self, request_id: Hashable) -> TransferPlan | None:
         """Tell the manager the step that computed the request's tokens has finished.
 
@@ -431,52 +503,75 @@ class TierManager:
         e.num_offloaded_blocks = upto
         return self._offload(src, hashes, request_id)
 
-    def _offload(self, src: list[KVCacheBlock], hashes: list[BlockHash], rid: Hashable | None) -> TransferPlan | None:
-        """Copy hashed GPU blocks to fresh CPU blocks (best effort: as many as the CPU tier can take)."""
+    def _offload(
+        self, src: list[KVCacheBlock], hashes: list[BlockHash], rid: Hashable | None, in_place: bool = False
+    ) -> TransferPlan | None:
+        """Copy hashed GPU blocks to fresh CPU blocks (best effort: as many as the CPU tier can take).
+
+        The plan holds every source block until it settles, so none can be
+        handed out while the copy reads it.  ``in_place``: the holds are given
+        back with ``release_in_place``, so holding does not move the blocks in
+        the GPU free queue (saves before eviction).
+        """
         assert self.cpu_pool is not None
         n = min(len(src), self.cpu_pool.get_num_free_blocks())
         if n == 0:
             return None
         src, hashes = src[:n], hashes[:n]
         dst = self.cpu_pool.get_new_blocks(n)
-        self.gpu_pool.touch(src)  # the plan reads them: nobody may reuse them until it is done
+        self.gpu_pool.touch(src)
         record = _PlanRecord(
             self._make_plan(GPU, CPU, src, dst, PlanKind.OFFLOAD, rid),
             None,
             gpu_holds=list(src),
             cpu_holds=list(dst),
             cache_on_done=list(zip(dst, hashes, strict=True)),
+            in_place=in_place,
         )
         self._submit(record)
         return record.plan
 
-    def _offload_on_evict(self, blocks: list[KVCacheBlock], hashes: list[BlockHash]) -> None:
-        """GPU pool hook: these hashed blocks were just handed out; save their contents first."""
-        assert self.cpu_pool is not None
-        src: list[KVCacheBlock] = []
-        keep: list[BlockHash] = []
-        for b, h in zip(blocks, hashes, strict=True):
-            if self.cpu_pool.get_cached_block(h) is None:
-                src.append(b)
-                keep.append(h)
-        try:
-            plan = self._offload(src, keep, None) if src else None
-        except TieredKVError:
-            plan = None  # the engine refused it and it was rolled back; only cached data is lost
-        if plan is not None and self._allocating is not None:
-            # The new owner's writes are ordered after the copy out.
-            self._allocating.waits_on.add(plan.plan_id)
+    def _save_before_eviction(self) -> TransferPlan | None:
+        """On-evict offload: copy the cached blocks nearest eviction to the CPU before they get there.
 
-    @contextmanager
-    def _allocating_for(self, e: _Entry) -> Iterator[None]:
-        """GPU allocations inside belong to ``e``: on-evict offloads they trigger become its waits."""
-        self._allocating = e
-        try:
-            yield
-        finally:
-            self._allocating = None
+        The first ``evict_window`` blocks of the GPU free queue are the next
+        ones any allocation takes; each of them that carries a hash not yet on
+        the CPU is held and copied out now.  Held, it is out of the free queue,
+        so no allocation can take it while the copy reads it; when the copy
+        settles it is given back in place, and an allocation that later takes it
+        evicts data the CPU tier already has.  An allocation that outruns the
+        window evicts unsaved cached blocks, which costs a cache miss, never
+        correctness.
+        """
+        cpu = self.cpu_pool
+        assert cpu is not None
+        window = self.gpu_pool.peek_free_blocks(self.evict_window)
+        src: list[KVCacheBlock] = []
+        hashes: list[BlockHash] = []
+        seen: set[BlockHash] = set()
+        for b in window:
+            h = b.block_hash
+            if h is None or h in seen or cpu.get_cached_block(h) is not None:
+                continue
+            seen.add(h)
+            src.append(b)
+            hashes.append(h)
+        if not src:
+            return None
+        # The CPU blocks these copies take are the first free ones, which may evict CPU-cached
+        # data.  Never evict the CPU copy of a block in the window: the next top-up would save
+        # it again and the two would chase each other forever.
+        in_window = {b.block_hash for b in window}
+        room = 0
+        for c in cpu.peek_free_blocks(len(src)):
+            if c.block_hash is not None and c.block_hash in in_window:
+                break
+            room += 1
+        src, hashes = src[:room], hashes[:room]
+        return self._offload(src, hashes, None, in_place=True) if src else None
 
     # ================================================================== quotes
+    @_exclusive
     def quote(self, request_id: Hashable) -> Quote:
         """Costs of preempting a running request by swap and by recompute."""
         e = self._entry(request_id)
@@ -516,7 +611,7 @@ class TierManager:
         req = e.request
         bs = self.block_size
         n_kv = -(-req.num_computed_tokens // bs)
-        full = req.num_computed_tokens // bs
+        full = req.num_computed_tokens // bs if self.caching else 0  # caching off: nothing is found by hash
         if len(req.block_hashes) < full:
             self.gpu.hasher.update(req)
         table = self.gpu.req_to_blocks.get(req.request_id, [])
@@ -528,7 +623,7 @@ class TierManager:
             b = table[i]
             if b.ref_cnt > 1:
                 continue
-            if i < full and cpu is not None and self.gpu.enable_caching:
+            if i < full and cpu is not None:
                 c = cpu.get_cached_block(req.block_hashes[i])
                 if c is not None:
                     cpu_hits.append(c)
@@ -538,6 +633,7 @@ class TierManager:
         return copies, cpu_hits, slots
 
     # ============================================================== preemption
+    @_exclusive
     def preempt(
         self,
         num_blocks_needed: int,
@@ -552,12 +648,16 @@ class TierManager:
         no choice of victims frees enough.  Every call that preempts appends a
         :class:`DecisionLogEntry`.
         """
-        if not isinstance(num_blocks_needed, int) or num_blocks_needed <= 0:
-            raise InvalidArgumentError(f"num_blocks_needed must be an int > 0, got {num_blocks_needed!r}")
+        checks.count("num_blocks_needed", num_blocks_needed, 1)
+        if policy is not None and not isinstance(policy, str | VictimPolicy):
+            raise InvalidArgumentError(f"policy must be a policy name, a VictimPolicy or None, got {policy!r}")
         pol = get_policy(policy) if policy is not None else self.policy
-        mode = mode or self.mode
-        if mode not in MODES:
-            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+        mode = self.mode if mode is None else checks.choice("mode", mode, MODES)
+        if isinstance(exclude, str | bytes) or not isinstance(exclude, Iterable):
+            raise InvalidArgumentError(f"exclude must be a collection of request ids, got {checks.describe(exclude)}")
+        exclude = list(exclude)
+        for rid in exclude:
+            checks.hashable("exclude item", rid)
         if mode == "swap" and self.cpu_pool is None:
             return None
         skip = set(exclude)
@@ -644,13 +744,13 @@ class TierManager:
         )
         return result
 
+    @_exclusive
     def preempt_request(self, request_id: Hashable, mode: str = "recompute") -> VictimDecision:
         """Preempt one named running request (``"swap"`` or ``"recompute"``)."""
         e = self._entry(request_id)
+        checks.choice("mode", mode, ("swap", "recompute"))
         if e.state is not RequestState.RUNNING:
             raise InvalidTransitionError(f"request {request_id!r} is {e.state.value}; only running requests preempt")
-        if mode not in ("swap", "recompute"):
-            raise InvalidArgumentError(f"mode must be 'swap' or 'recompute', got {mode!r}")
         q = self.quote(request_id)
         if mode == "swap":
             if not q.cpu_has_room:
@@ -687,7 +787,7 @@ class TierManager:
         copies, cpu_hits, slots = layout
         dst = self.cpu_pool.get_new_blocks(len(copies))
         n_kv = -(-req.num_computed_tokens // self.block_size)
-        full = req.num_computed_tokens // self.block_size
+        full = req.num_computed_tokens // self.block_size if self.caching else 0
         cpu_table: list[KVCacheBlock | None] = [None] * n_kv
         for i, c in slots:
             cpu_table[i] = c
@@ -725,9 +825,9 @@ class TierManager:
         req.num_preemptions += 1
         e.state = RequestState.PREEMPTED
         e.num_offloaded_blocks = 0
-        e.waits_on.clear()
 
     # ================================================================== resume
+    @_exclusive
     def resume(self, request_id: Hashable) -> ResumeResult | None:
         """Bring a swapped request back: re-hit what is still cached on the GPU, copy the rest in.
 
@@ -746,7 +846,7 @@ class TierManager:
         assert self.cpu_pool is not None
         layout: list[tuple[bool, KVCacheBlock]] = []  # (is_gpu_hit, block)
         for i in range(n_kv):
-            h = req.block_hashes[i] if i < full and self.gpu.enable_caching else None
+            h = req.block_hashes[i] if i < full and self.caching else None
             g = self.gpu_pool.get_cached_block(h) if h is not None else None
             if g is not None:
                 layout.append((True, g))
@@ -786,8 +886,7 @@ class TierManager:
         borrowed = [b for i, (is_hit, b) in enumerate(layout) if not is_hit and e.cpu_table[i] is None]
         self.cpu_pool.touch(borrowed)
         self.gpu_pool.touch(hits)
-        with self._allocating_for(e):
-            fresh = iter(self.gpu_pool.get_new_blocks(n_copy))
+        fresh = iter(self.gpu_pool.get_new_blocks(n_copy))
         table: list[KVCacheBlock] = []
         src: list[KVCacheBlock] = []
         dst: list[KVCacheBlock] = []
@@ -800,13 +899,13 @@ class TierManager:
             table.append(g)
             src.append(b)
             dst.append(g)
-            if i < full:
+            if i < full and self.caching:
                 cache_on_done.append((g, req.block_hashes[i]))
         self.gpu.req_to_blocks[request_id] = table
         self.gpu.num_cached_block[request_id] = min(full, restorable)
         e.last_scheduled = self._next_tick()
         record = _PlanRecord(
-            self._make_plan(CPU, GPU, src, dst, PlanKind.SWAP_IN, request_id, urgent=True, wait_for=e.waits_on),
+            self._make_plan(CPU, GPU, src, dst, PlanKind.SWAP_IN, request_id, urgent=True),
             None,
             gpu_holds=[],
             cpu_holds=borrowed,
@@ -821,6 +920,7 @@ class TierManager:
         self._submit(record)
         return ResumeResult(record.plan, tokens, lost, e.state)
 
+    @_exclusive
     def drop_swapped(self, request_id: Hashable) -> None:
         """Give up a swapped request's CPU copy and mark it for recompute."""
         e = self._entry(request_id)
@@ -836,6 +936,7 @@ class TierManager:
         self.counters.preemptions_recompute += 1
 
     # ================================================================= finish
+    @_exclusive
     def finish(self, request_id: Hashable) -> None:
         """Release everything the request holds in both tiers.  Refused mid-transfer."""
         e = self._entry(request_id)
@@ -886,38 +987,60 @@ class TierManager:
         )
 
     def _submit(self, record: _PlanRecord) -> None:
+        """Hand a plan to the copy engine.
+
+        The engine is foreign code: whatever it raises (our ``PlanError`` or
+        anything else) is a failed copy.  The plan stays in flight with a
+        handle that is already FAILED, and the next ``poll`` rolls it back and
+        reports it like any other failure, so no request is left half-moved.
+        """
         self._plans[record.plan.plan_id] = record
         self.counters.plans_submitted += 1
         try:
-            record.handle = self.engine.submit(record.plan)
-        except TieredKVError:
-            # The engine refused the plan before copying anything: undo as a failure.
-            self._settle(record, False)
-            raise
+            handle = self.engine.submit(record.plan)
+            if not isinstance(handle, TransferHandle) or handle.plan != record.plan:
+                raise PlanError(f"copy engine returned {handle!r} for plan {record.plan.plan_id}, not its handle")
+        except Exception as exc:
+            handle = TransferHandle(record.plan)
+            handle._finish(TransferStatus.FAILED, exc)
+        record.handle = handle
 
+    @_exclusive
     def plans_in_flight(self) -> list[TransferPlan]:
         return [r.plan for r in self._plans.values()]
 
+    @_exclusive
     def handle(self, plan_id: int) -> TransferHandle | None:
+        checks.count("plan_id", plan_id)
         r = self._plans.get(plan_id)
         return r.handle if r is not None else None
 
+    @_exclusive
     def poll(self) -> list[Completion]:
-        """Settle every plan whose handle is final, in plan order; returns what settled."""
+        """Settle every plan whose handle is final, in plan order; returns what settled.
+
+        With on-evict offload it then tops up the saves before eviction (see
+        ``_save_before_eviction``): once per scheduler step is often enough.
+        """
         done: list[Completion] = []
         for pid in sorted(self._plans):
             record = self._plans.get(pid)
             if record is not None and record.handle is not None and record.handle.done():
                 done.append(self.process_completion(record.handle))
+        if self.offload == "on_evict":
+            self._save_before_eviction()
         return done
 
+    @_exclusive
     def wait_all(self, timeout: float | None = None) -> list[Completion]:
         """Wait for every plan in flight (real engines) and settle them."""
+        timeout = checks.timeout("timeout", timeout)
         for record in list(self._plans.values()):
             if record.handle is not None:
                 record.handle.wait(timeout)
         return self.poll()
 
+    @_exclusive
     def process_completion(self, handle: TransferHandle) -> Completion:
         """Act on a final handle: commit on success, roll back on failure or cancel.
 
@@ -926,6 +1049,7 @@ class TierManager:
                 already), is not final yet, or its ids differ from the plan this
                 manager emitted under that id.  Nothing changes.
         """
+        checks.instance("handle", handle, TransferHandle)
         plan = handle.plan
         record = self._plans.get(plan.plan_id)
         if record is None:
@@ -945,18 +1069,27 @@ class TierManager:
         self._settle(record, handle.ok)
         return Completion(plan.plan_id, plan.request_id, plan.kind, handle.ok)
 
+    @_exclusive
     def cancel(self, request_id: Hashable) -> bool:
-        """Cancel the request's swap/onboard plan in flight; it is rolled back at once."""
+        """Cancel the request's swap/onboard plan in flight; True only if it was cancelled and rolled back.
+
+        A plan the engine finished first is settled as what it is (a completed
+        swap commits, a failed one rolls back) and the answer is False.
+        """
         e = self._entry(request_id)
         if e.plan_id is None:
             return False
         record = self._plans[e.plan_id]
-        assert record.handle is not None
-        self.engine.cancel(record.handle)
-        if record.handle.done():
-            self.process_completion(record.handle)
-            return True
-        return False
+        handle = record.handle
+        assert handle is not None
+        try:
+            self.engine.cancel(handle)
+        except Exception:  # a foreign engine that cannot cancel: the plan runs on
+            pass
+        if not handle.done():
+            return False
+        self.process_completion(handle)
+        return handle.status is TransferStatus.CANCELLED
 
     def _settle(self, record: _PlanRecord, ok: bool) -> None:
         plan = record.plan
@@ -974,9 +1107,10 @@ class TierManager:
                 self.counters.offload_bytes += nbytes
             # Unhashed (failed) CPU blocks go to the front, cached ones to the back (LRU).
             cpu.free_blocks(record.cpu_holds[::-1])
-            self.gpu_pool.free_blocks(record.gpu_holds[::-1])
-            for other in self._entries.values():
-                other.waits_on.discard(plan.plan_id)
+            if record.in_place:
+                self.gpu_pool.release_in_place(record.gpu_holds)
+            else:
+                self.gpu_pool.free_blocks(record.gpu_holds[::-1])
             return
         assert e is not None and e.plan_id == plan.plan_id, f"plan {plan.plan_id} has no owner"
         e.plan_id = None
@@ -989,7 +1123,6 @@ class TierManager:
                 self.gpu.free(e.request)  # exclusive blocks return (hashed ones stay findable)
                 e.state = RequestState.SWAPPED
                 e.num_offloaded_blocks = 0
-                e.waits_on.clear()
                 self.counters.swap_out_blocks += n
                 self.counters.swap_out_bytes += nbytes
             else:
@@ -1031,9 +1164,9 @@ class TierManager:
         else:
             e.request.num_computed_tokens = 0
             e.state = RequestState.PREEMPTED
-        e.waits_on.clear()
 
     # ================================================================ metrics
+    @_exclusive
     def metrics(self) -> MetricsSnapshot:
         by_state: dict[str, int] = {}
         for e in self._entries.values():
@@ -1050,6 +1183,7 @@ class TierManager:
         )
 
     # ============================================================= invariants
+    @_exclusive
     def check_invariants(self) -> None:
         """Assert ownership and recoverability (O(blocks); for tests)."""
         self.gpu_pool.check_invariants()

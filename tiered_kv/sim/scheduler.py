@@ -89,7 +89,6 @@ class Scheduler:
         self.running: list[Hashable] = []
         self.swapped: deque[Hashable] = deque()
         self.requests: dict[Hashable, Request] = {}
-        self.pending_free: dict[Hashable, int] = {}  # swap-out in flight -> blocks it will free
         self.high_water: dict[Hashable, int] = {}  # most tokens ever computed per request
 
     # ---------------------------------------------------------------- intake
@@ -121,7 +120,6 @@ class Scheduler:
                 self.swapped.remove(rid)
             if rid in self.running:
                 self.running.remove(rid)
-            self.pending_free.pop(rid, None)
             if state in (RequestState.RUNNING, RequestState.SWAPPING_IN):
                 self.running.append(rid)
             elif state in (RequestState.SWAPPED, RequestState.SWAPPING_OUT):
@@ -135,9 +133,9 @@ class Scheduler:
         tm = self.tm
         batch = StepBatch()
         budget = self.config.max_num_batched_tokens
-        for rid in [r for r, _ in self.pending_free.items() if tm.state(r) is not RequestState.SWAPPING_OUT]:
-            del self.pending_free[rid]
-        promised = sum(self.pending_free.values())
+        # Blocks that copies in flight will free (swap-outs, saves before eviction): waiting
+        # for them is cheaper than preempting anyone else.
+        promised = tm.blocks_freed_on_completion()
         scheduled: set[Hashable] = set()
 
         # 1. Running requests.
@@ -218,8 +216,6 @@ class Scheduler:
             batch.preempted.append((v.request_id, v.mode))
             if v.mode is PreemptMode.SWAP:
                 self.swapped.append(v.request_id)
-                if self.tm.state(v.request_id) is RequestState.SWAPPING_OUT:
-                    self.pending_free[v.request_id] = v.blocks_freed
             else:
                 self.waiting.appendleft(self.requests[v.request_id])
 
@@ -235,8 +231,6 @@ class Scheduler:
         batch.preempted.append((rid, d.mode))
         if d.mode is PreemptMode.SWAP:
             self.swapped.append(rid)
-            if self.tm.state(rid) is RequestState.SWAPPING_OUT:
-                self.pending_free[rid] = d.blocks_freed
         else:
             self.waiting.appendleft(self.requests[rid])
 
