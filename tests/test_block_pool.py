@@ -182,3 +182,77 @@ def test_cache_hit_capped_so_last_prompt_token_is_recomputed():
     b = Request("b", letters("abcdefgh"))  # identical, block-aligned prompt
     hits, n = mgr.get_computed_blocks(b)
     assert [x.block_id for x in hits] == [1] and n == 4
+
+
+def test_touch_and_free_skip_null_blocks_as_vllm_does():
+    """Sliding-window tables carry null blocks; touching or freeing them is a no-op, not an error."""
+    pool = BlockPool(6)
+    null = pool.null_block
+    got = pool.get_new_blocks(2)  # 1 2
+    pool.touch([null, got[0], null])
+    assert (null.ref_cnt, got[0].ref_cnt) == (0, 2)
+    pool.free_blocks([null, got[1], got[0], null])
+    assert (null.ref_cnt, got[0].ref_cnt, got[1].ref_cnt) == (0, 1, 0)
+    assert pool.free_queue_ids() == [2, 3, 4, 5]
+    pool.free_blocks([got[0], null])
+    assert pool.free_queue_ids() == [1, 2, 3, 4, 5]
+    pool.check_invariants()
+
+
+def test_cache_full_blocks_skips_null_blocks_and_blocks_already_cached_under_their_hash():
+    mgr = KVCacheManager(8, block_size=2, enable_kv_cache_events=True)
+    pool = mgr.block_pool
+    r = admit(mgr, "r", "aabbcc")  # blocks 1 2 3, all cached
+    pool.take_events()
+    table = list(mgr.get_blocks("r"))
+    before = [b.block_hash for b in table]
+    pool.cache_full_blocks(r, table, 0, 3, 2)  # every block already carries its own hash: nothing to do
+    pool.cache_full_blocks(r, table, 1, 2, 2)
+    assert [b.block_hash for b in table] == before and pool.take_events() == []
+    # A table whose first block is null (out of the window) and whose others are fresh.
+    r2 = Request("r2", letters("aabbcc"))
+    r2.block_hashes.extend(r.block_hashes)
+    fresh = pool.get_new_blocks(2)  # 4 5
+    pool.cache_full_blocks(r2, [pool.null_block, *fresh], 0, 3, 2)
+    assert pool.null_block.block_hash is None
+    assert [b.block_hash for b in fresh] == r.block_hashes[1:]
+    (ev,) = pool.take_events()
+    assert isinstance(ev, BlockStored) and ev.block_hashes == r.block_hashes[1:]
+    assert ev.parent_block_hash == r.block_hashes[0] and ev.token_ids == letters("bbcc")
+    pool.check_invariants()
+
+
+def test_external_tokens_get_slots_but_are_cached_only_after_they_land():
+    """The first allocation of a request whose middle prefix arrives by copy from another tier."""
+    mgr = KVCacheManager(12, block_size=4)
+    a = admit(mgr, "a", "AAAABBBBx")
+    mgr.free(a)  # AAAA and BBBB cached on the GPU
+    req = Request("q", letters("AAAABBBBCCCCDDDDq"))
+    hits, n = mgr.get_computed_blocks(req)
+    assert n == 8
+    # CCCC and DDDD come from another tier (8 external tokens), then 1 new token.
+    new = mgr.allocate_slots(req, 8 + 1, n, hits, num_external_computed_tokens=8)
+    assert [b.block_id for b in new] == [3, 4, 5] and mgr.get_block_ids("q") == [1, 2, 3, 4, 5]
+    assert [b.block_hash is None for b in new] == [True, True, True]  # not written yet: not cached
+    mgr.cache_blocks(req, 16)  # the copy landed
+    assert [b.block_hash for b in new[:2]] == req.block_hashes[2:4]
+    probe = Request("p", letters("AAAABBBBCCCCDDDDz"))
+    assert mgr.get_computed_blocks(probe)[1] == 16
+
+
+def test_restore_installs_hits_then_fresh_blocks_and_changes_nothing_when_it_does_not_fit():
+    mgr = KVCacheManager(8, block_size=4)
+    r = admit(mgr, "r", "AAAABBBBCCCCD")  # 1 2 3 4
+    r_hashes = list(r.block_hashes)
+    mgr.free(r)  # as if it had been swapped out: AAAA BBBB CCCC stay cached
+    other = admit(mgr, "o", "zzzzzzzzzzzzzzzzz")  # 5 blocks: takes 4 5 6 7 and evicts 3 (CCCC)
+    assert mgr.get_block_ids("o") == [4, 5, 6, 7, 3]
+    hits = [mgr.block_pool.get_cached_block(h) for h in r_hashes[:2]]
+    assert mgr.restore(r, hits, 13) is None  # needs 2 fresh blocks, none is free
+    mgr.free(other)
+    new = mgr.restore(r, hits, 13)
+    assert [b.block_id for b in new] == [3, 7] and mgr.get_block_ids("r") == [1, 2, 3, 7]
+    assert new[0].block_hash is None  # CCCC lands by copy, then gets cached
+    mgr.cache_blocks(r, 13)
+    assert new[0].block_hash == r_hashes[2] and new[1].block_hash is None
+    mgr.block_pool.check_invariants()

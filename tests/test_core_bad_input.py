@@ -57,24 +57,12 @@ CASES = [
         r"block\(s\) \[7\]",
         lambda m, r: m.block_pool.free_blocks([m.block_pool.blocks[7], m.block_pool.blocks[7]]),
     ),
-    (
-        "freeing the null block",
-        BlockStateError,
-        "cannot free the null block",
-        lambda m, r: m.block_pool.free_blocks([m.block_pool.blocks[7], m.block_pool.null_block]),
-    ),
-    (
-        "touching the null block",
-        BlockStateError,
-        "cannot touch the null block",
-        lambda m, r: m.block_pool.touch([m.block_pool.blocks[3], m.block_pool.null_block]),
-    ),
     ("hashing a partial block", HashingError, "block 3 is partial or not final", _partial_cache),
     (
-        "caching an already cached block",
+        "caching a block already cached under another hash",
         BlockStateError,
-        "block 1 is already cached",
-        lambda m, r: m.block_pool.cache_full_blocks(r, m.req_to_blocks["b"], 0, 1, 2),
+        "block 5 is already cached under another hash",
+        lambda m, r: m.block_pool.cache_full_blocks(r, m.req_to_blocks["a"], 2, 3, 2),
     ),
     (
         "zero new tokens",

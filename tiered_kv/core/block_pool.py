@@ -12,7 +12,9 @@ Names and behaviour follow ``vllm/v1/core/block_pool.py`` (see
   blocks last block first, so a request's deepest block is evicted first.
 * A hash maps to one or more blocks; blocks are never de-duplicated, because
   block tables are append-only.
-* Block 0 is the null block, never handed out, touched or freed.
+* Block 0 is the null block, never handed out.  ``touch`` and ``free_blocks``
+  skip it, as vLLM does: hybrid and sliding-window block tables hold null
+  blocks in place of blocks that fell out of the window, and pass them along.
 
 Every public method is all-or-nothing: it validates, then mutates.  Misuse
 raises a :class:`~tiered_kv.errors.TieredKVError` subclass and leaves the pool
@@ -182,15 +184,17 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
         """A cache hit: add an owner to each block, pulling free ones out of the queue.
 
+        Null blocks are skipped.
+
         Raises:
-            BlockStateError: the null block, or a block of another pool, was
-                passed (nothing changes).
+            BlockStateError: a block of another pool was passed (nothing changes).
         """
-        blocks = self._own_blocks("blocks", blocks)
-        if self.null_block in blocks:
-            raise BlockStateError(f"cannot touch the null block (block 0) of the {self.medium} pool")
+        blocks = self.check_own_blocks("blocks", blocks)
+        null = self.null_block
         removed = 0
         for block in blocks:
+            if block is null:
+                continue  # never owned, never in the free queue (vLLM skips it too)
             if block.ref_cnt == 0:
                 block.stale += 1  # lazy removal from the free queue (see free_queue.py)
                 removed += 1
@@ -202,8 +206,8 @@ class BlockPool:
             if fq._num_stale > 64 and fq._num_stale > fq.num_free_blocks:
                 fq._compact()
 
-    def _own_blocks(self, name: str, blocks: object) -> list[KVCacheBlock] | tuple[KVCacheBlock, ...]:
-        """``blocks`` as a list or tuple, after checking that every item is a block of this pool.
+    def check_own_blocks(self, name: str, blocks: object) -> list[KVCacheBlock] | tuple[KVCacheBlock, ...]:
+        """``blocks`` as a list or tuple, after checking that every item is a block of this pool (else raise).
 
         A block of another pool has an id that may also exist here; accepting it
         would change the other pool's ref counts and corrupt both, so it is
@@ -228,18 +232,22 @@ class BlockPool:
 
         Blocks without a hash go to the front, blocks with a hash to the back,
         each group in the order given (pass a request's blocks last block first).
+        Null blocks are skipped.
 
         Raises:
-            BlockStateError: a block would go below zero owners (double free), is
-                the null block or belongs to another pool; nothing changes.
+            BlockStateError: a block would go below zero owners (double free) or
+                belongs to another pool; nothing changes.
         """
-        blocks = self._own_blocks("ordered_blocks", ordered_blocks)
+        blocks = self.check_own_blocks("ordered_blocks", ordered_blocks)
         to_front: list[KVCacheBlock] = []
         to_back: list[KVCacheBlock] = []
         front = to_front.append
         back = to_back.append if self.enable_caching else front
         bad = False
+        null = self.null_block
         for block in blocks:
+            if block is null:
+                continue  # skipped, as in vLLM: null blocks stand in for blocks outside a window
             rc = block.ref_cnt - 1
             block.ref_cnt = rc
             if rc == 0:
@@ -249,12 +257,11 @@ class BlockPool:
                     back(block)
             elif rc < 0:
                 bad = True
-        if bad:  # the null block is never owned, so freeing it lands here too
+        if bad:
             for block in blocks:
-                block.ref_cnt += 1
-            if self.null_block in blocks:
-                raise BlockStateError(f"cannot free the null block (block 0) of the {self.medium} pool")
-            culprits = sorted({b.block_id for b in blocks if blocks.count(b) > b.ref_cnt})
+                if block is not null:
+                    block.ref_cnt += 1
+            culprits = sorted({b.block_id for b in blocks if b is not null and blocks.count(b) > b.ref_cnt})
             raise BlockStateError(f"double free in the {self.medium} pool: block(s) {culprits} have no owner left")
         fq = self.free_block_queue
         if to_front:
@@ -284,7 +291,7 @@ class BlockPool:
         Raises:
             BlockStateError: a block has no owner, is null or is foreign (nothing changes).
         """
-        blocks = self._own_blocks("blocks", blocks)
+        blocks = self.check_own_blocks("blocks", blocks)
         for b in blocks:
             if b.is_null or b.ref_cnt - blocks.count(b) < 0:
                 raise BlockStateError(f"block {b.block_id} of the {self.medium} pool has no owner to release")
@@ -308,11 +315,14 @@ class BlockPool:
         Hashes come from ``request.block_hashes``, which must already cover
         every block being cached: a block is cached only when full with final
         tokens.  A hash already in the map gets a second block (no de-dup).
+        As in vLLM, null blocks in the range are skipped, and so is a block
+        that already carries the very hash it would get (a block restored by
+        copy and then cached again by the request's own allocation).
 
         Raises:
             HashingError: a block in range is not full / not hashed yet.
-            BlockStateError: a block in range already has a hash, is null or
-                belongs to another pool.
+            BlockStateError: a block in range carries a different hash, or
+                belongs to another pool (nothing changes).
         """
         if (
             num_cached_blocks.__class__ is not int
@@ -345,18 +355,22 @@ class BlockPool:
             )
         cmap = self.cached_block_hash_to_block
         if num_full_blocks - num_cached_blocks == 1:
-            # Common case (a decode step filled one block): the insertion of
-            # cache_block_hashes, inlined without slices, zip or a call on this hot path.
+            # Common case (a decode step filled one block): validated and inserted inline,
+            # without slices, zip or a call on this hot path.
             block = blocks[num_cached_blocks]
+            h = hashes[num_cached_blocks]
             if (
                 block.__class__ is not KVCacheBlock
                 or block.block_id >= self.num_blocks
                 or self.blocks[block.block_id] is not block
             ):
-                self._own_blocks("blocks", [block])  # raises the precise error
+                self.check_own_blocks("blocks", [block])  # raises the precise error
             if block.block_hash is not None or block.is_null:
-                raise BlockStateError(f"block {block.block_id} is already cached or null; cannot cache it again")
-            h = hashes[num_cached_blocks]
+                if block.is_null or block.block_hash == h:
+                    return  # vLLM: null blocks and blocks already cached under this hash are skipped
+                raise BlockStateError(
+                    f"block {block.block_id} is already cached under another hash; cannot cache it again"
+                )
             block.block_hash = h
             entry = cmap.get(h)
             if entry is None:
@@ -365,17 +379,40 @@ class BlockPool:
                 cmap[h] = {entry.block_id: entry, block.block_id: block}  # type: ignore[union-attr]
             else:
                 entry[block.block_id] = block  # type: ignore[index]
+            new_idx: range | list[int] = range(num_cached_blocks, num_full_blocks)
         else:
-            self.cache_block_hashes(
-                blocks[num_cached_blocks:num_full_blocks], hashes[num_cached_blocks:num_full_blocks]
-            )
-        if self.enable_kv_cache_events:
-            new_hashes = hashes[num_cached_blocks:num_full_blocks]
+            span = self.check_own_blocks("blocks", blocks[num_cached_blocks:num_full_blocks])
+            new_idx = []
+            for i, block in enumerate(span, num_cached_blocks):
+                if block.is_null:
+                    continue
+                if block.block_hash is not None:
+                    if block.block_hash != hashes[i]:
+                        raise BlockStateError(
+                            f"block {block.block_id} is already cached under another hash; cannot cache it again"
+                        )
+                    continue
+                new_idx.append(i)
+            if len({id(blocks[i]) for i in new_idx}) != len(new_idx):
+                raise BlockStateError("a block is listed twice in the range to cache")
+            for i in new_idx:
+                block = blocks[i]
+                h = hashes[i]
+                block.block_hash = h
+                entry = cmap.get(h)
+                if entry is None:
+                    cmap[h] = block
+                elif entry.__class__ is KVCacheBlock:
+                    cmap[h] = {entry.block_id: entry, block.block_id: block}  # type: ignore[union-attr]
+                else:
+                    entry[block.block_id] = block  # type: ignore[index]
+        if self.enable_kv_cache_events and new_idx:
+            first, last = new_idx[0], new_idx[-1] + 1
             self.kv_event_queue.append(
                 BlockStored(
-                    block_hashes=new_hashes,
-                    parent_block_hash=hashes[num_cached_blocks - 1] if num_cached_blocks else None,
-                    token_ids=request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size],
+                    block_hashes=[hashes[i] for i in new_idx],
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=request.all_token_ids[first * block_size : last * block_size],
                     block_size=block_size,
                     lora_name=request.lora_name,
                     medium=self.medium,
@@ -389,7 +426,7 @@ class BlockPool:
         copy (swap-out, onboarding, offload) rather than by the request's own
         ``cache_full_blocks``.
         """
-        blocks = self._own_blocks("blocks", blocks)
+        blocks = self.check_own_blocks("blocks", blocks)
         if not isinstance(hashes, list | tuple):
             raise InvalidArgumentError(f"hashes must be a list of block hashes, got {checks.describe(hashes)}")
         for h in hashes:

@@ -134,6 +134,8 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        *,
+        num_external_computed_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` (+ lookahead) more tokens of ``request``.
 
@@ -145,6 +147,11 @@ class KVCacheManager:
                 allocation only); touched here, once the allocation is known to fit.
             num_lookahead_tokens: Speculative slots: allocated, never cached.
             delay_cache_blocks: Skip caching this step (e.g. KV still arriving).
+            num_external_computed_tokens: Tokens after the prefix hits whose KV
+                another tier will copy into the new blocks (first allocation
+                only; included in ``num_new_tokens``, as in vLLM).  Their
+                blocks are not written yet, so nothing is cached by this call;
+                call :meth:`cache_blocks` once the copy has landed.
 
         Returns:
             The newly allocated blocks (possibly empty), or ``None`` when they do
@@ -163,6 +170,8 @@ class KVCacheManager:
             and num_new_computed_tokens.__class__ is int
             and num_new_computed_tokens == 0
             and delay_cache_blocks.__class__ is bool
+            and num_external_computed_tokens.__class__ is int
+            and num_external_computed_tokens == 0
             and num_new_tokens.__class__ is int
             and num_new_tokens > 0
             and self.max_model_len is None
@@ -192,6 +201,16 @@ class KVCacheManager:
             num_lookahead_tokens,
             delay_cache_blocks,
         )
+        checks.count("num_external_computed_tokens", num_external_computed_tokens)
+        if num_external_computed_tokens:
+            if req_blocks:
+                raise InvalidArgumentError(f"request {rid!r}: external KV can only arrive with the first allocation")
+            if num_external_computed_tokens > num_new_tokens:
+                raise InvalidArgumentError(
+                    f"request {rid!r}: num_external_computed_tokens {num_external_computed_tokens} exceeds "
+                    f"num_new_tokens {num_new_tokens}, which includes them"
+                )
+            delay_cache_blocks = True  # their blocks are written by a copy that has not landed
         computed = new_computed_blocks or []
         if computed:
             if req_blocks:
@@ -254,7 +273,7 @@ class KVCacheManager:
                 raise InvalidArgumentError(
                     f"new_computed_blocks must be a list of blocks or None, got {checks.describe(new_computed_blocks)}"
                 )
-            self.block_pool._own_blocks("new_computed_blocks", new_computed_blocks)
+            self.block_pool.check_own_blocks("new_computed_blocks", new_computed_blocks)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Cache every full block of ``request`` within its first ``num_computed_tokens`` tokens."""
@@ -274,6 +293,51 @@ class KVCacheManager:
             self.hasher.update(request)
         self.block_pool.cache_full_blocks(request, self.req_to_blocks[rid], n_cached, num_full, self.block_size)
         self.num_cached_block[rid] = num_full
+
+    def restore(
+        self, request: Request, computed_blocks: list[KVCacheBlock], num_tokens: int
+    ) -> list[KVCacheBlock] | None:
+        """Give a request that holds no blocks a table for ``num_tokens`` tokens of KV it already has elsewhere.
+
+        A swapped-out request coming back: ``computed_blocks`` are the prefix
+        hits still cached in this pool (touched here), and new blocks cover
+        the rest, to be filled by a copy from another tier.  Nothing new is
+        cached until that copy lands and the caller calls :meth:`cache_blocks`.
+        The request's ``num_computed_tokens`` is the scheduler's and is neither
+        read nor changed.  All-or-nothing: ``None`` (and no change) when the
+        blocks do not fit.
+
+        Returns:
+            The new blocks, in table order after the hits.
+        """
+        if not isinstance(request, Request):
+            raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
+        if computed_blocks.__class__ is not list:
+            raise InvalidArgumentError(
+                f"computed_blocks must be a list of blocks, got {checks.describe(computed_blocks)}"
+            )
+        self.block_pool.check_own_blocks("computed_blocks", computed_blocks)
+        checks.count("num_tokens", num_tokens, 1)
+        rid = request.request_id
+        bs = self.block_size
+        if self.req_to_blocks.get(rid):
+            raise InvalidArgumentError(f"request {rid!r} already holds blocks; restore only a request that holds none")
+        if len(computed_blocks) * bs > num_tokens or num_tokens > request.num_tokens:
+            raise InvalidArgumentError(
+                f"request {rid!r}: {len(computed_blocks)} cached blocks and {num_tokens} tokens do not fit "
+                f"a request of {request.num_tokens} tokens"
+            )
+        if any(b.block_hash is None for b in computed_blocks):
+            raise InvalidArgumentError(f"request {rid!r}: computed_blocks must be cached prefix hits")
+        n_new = -(-num_tokens // bs) - len(computed_blocks)
+        pool = self.block_pool
+        if n_new + sum(1 for b in computed_blocks if b.ref_cnt == 0) > pool.free_block_queue.num_free_blocks:
+            return None
+        pool.touch(computed_blocks)
+        new_blocks = pool.get_new_blocks(n_new) if n_new else []
+        self.req_to_blocks[rid] = [*computed_blocks, *new_blocks]
+        self.num_cached_block[rid] = len(computed_blocks)
+        return new_blocks
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first.

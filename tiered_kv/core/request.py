@@ -52,6 +52,7 @@ class Request:
         "cache_salt",
         "arrival_time",
         "skip_prefix_cache",
+        "priority",
     )
 
     def __init__(
@@ -65,6 +66,7 @@ class Request:
         cache_salt: str | None = None,
         arrival_time: float = 0.0,
         skip_prefix_cache: bool = False,
+        priority: int = 0,
     ) -> None:
         checks.hashable("request_id", request_id)
         if isinstance(prompt_token_ids, str | bytes) or not isinstance(prompt_token_ids, Sequence):
@@ -87,6 +89,10 @@ class Request:
                 f"request {request_id!r}: arrival_time must be a finite number, got {checks.describe(arrival_time)}"
             )
         checks.flag("skip_prefix_cache", skip_prefix_cache)
+        if priority.__class__ is not int:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: priority must be an int, got {checks.describe(priority)}"
+            )
         mm_features = tuple(mm_features)
         for mm in mm_features:
             if not isinstance(mm, MultiModalFeature):
@@ -103,6 +109,7 @@ class Request:
         self.cache_salt = cache_salt
         self.arrival_time = arrival_time
         self.skip_prefix_cache = skip_prefix_cache
+        self.priority = priority  # vLLM's meaning: a lower value is served first, preempted last
 
     @property
     def num_tokens(self) -> int:
