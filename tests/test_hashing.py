@@ -320,3 +320,24 @@ def test_xxh3_128_is_selectable_and_differs_from_sha256():
     req = Request("m", list(range(9)))
     assert mgr.get_computed_blocks(req) == ([], 0)
     assert req.block_hashes == hashes[:2]
+
+
+def test_hashing_benchmark_runs_and_checks_its_digests(tmp_path):
+    # A smoke run of benchmarks/bench_hashing.py, so that the script cannot rot; no timing is asserted.
+    import json
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "bench_hashing.py"
+    out = tmp_path / "hashing.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--requests", "20", "--repeats", "1", "--json", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    assert res["identical_sha256_digests"] is True
+    schemes = [row["scheme"] for row in res["rows"]]
+    assert {"sha256 before", "sha256", "fast", "hashlib.sha256 floor"} <= set(schemes)
+    assert ("xxh3_128" in schemes) == (xxhash is not None)
+    assert "| hashlib.sha256 floor |" in proc.stdout
