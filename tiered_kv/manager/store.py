@@ -1,0 +1,326 @@
+"""The interface of every tier below the GPU: a block store keyed by block hash.
+
+A store holds whole KV blocks, each under a key: the block's hash (``bytes`` or
+``int``) for shareable prefix blocks, or a private key object for blocks that
+belong to one request.  The verbs are vLLM's ``OffloadingManager`` verbs, so that
+the CPU tier, a disk tier and a remote tier are interchangeable under the tier
+manager:
+
+* ``lookup`` / ``lookup_prefix`` ask what is there;
+* ``prepare_load`` pins blocks for a copy out of the store, ``complete_load``
+  unpins them, ``touch`` records use;
+* ``prepare_store`` reserves slots (evicting by policy), ``complete_store``
+  makes the written blocks loadable or, on failure, drops them;
+* ``remove`` drops blocks whose owner no longer needs them;
+* ``take_events`` drains what was stored and removed, for external indexes.
+
+A store is bookkeeping only.  It never touches memory and never imports torch:
+it tells a copy engine *where* the bytes go (:class:`LoadStoreSpec`) and the
+layer above moves them.
+
+Life of an entry (``ref`` is the number of loads in flight)::
+
+    absent --prepare_store--> PENDING --complete_store--> READY, ref 0 --prepare_load--> READY, ref > 0
+     ^  ^                        |                          |    ^                             |
+     |  +--complete_store(False)-+                          |    +--------complete_load--------+
+     +------------- evicted by prepare_store, or remove ----+
+
+Every public call checks all of its arguments, types included, before it
+changes anything; misuse raises a :class:`~tiered_kv.errors.TieredKVError`
+subclass naming what was wrong, and a store that cannot make room returns
+``None`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from tiered_kv import checks
+from tiered_kv.errors import InvalidArgumentError
+
+Key = Hashable
+"""A block hash (``bytes`` or ``int``), or a private key object for a request's own blocks."""
+
+
+class LookupResult(enum.Enum):
+    """What ``lookup`` found for one key."""
+
+    MISS = "miss"
+    HIT = "hit"  # ready: may be loaded now
+    HIT_PENDING = "hit_pending"  # a store of it is in flight: do not store it again, do not load it yet
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStoreSpec:
+    """Where blocks live in one medium, for a copy engine.
+
+    Attributes:
+        medium: ``"CPU"`` (later ``"DISK"``, ``"REMOTE"``).
+        block_ids: One slot per key, in the order the keys were given.
+    """
+
+    medium: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareStoreOutput:
+    """What ``prepare_store`` decided.
+
+    Attributes:
+        keys_to_store: The given keys that were absent (neither pending nor
+            ready), in the given order; now pending.  The caller copies exactly
+            these and then calls ``complete_store``.
+        store_spec: One slot per key of ``keys_to_store``, in that order.
+        evicted_keys: What was evicted to make room, in eviction order.  Their
+            slots may be among ``store_spec.block_ids``.
+    """
+
+    keys_to_store: list[Key]
+    store_spec: LoadStoreSpec
+    evicted_keys: list[Key]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEvent:
+    """Keys that became loadable (``removed=False``) or left the store (``removed=True``).
+
+    A pending entry that is dropped because its store failed produces no event:
+    it was never announced as stored.
+    """
+
+    keys: list[Key]
+    medium: str
+    removed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEntry:
+    """One resident entry, as :meth:`BlockStore.entries` reports it.
+
+    Attributes:
+        key: The entry's key.
+        block_id: Its slot in the medium.
+        ready: False while its store is in flight.
+        ref_cnt: Loads in flight (always 0 while pending).
+    """
+
+    key: Key
+    block_id: int
+    ready: bool
+    ref_cnt: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Counters since the store was built (callers take differences for rates).
+
+    Attributes:
+        queries: Keys looked up (one per ``lookup``, ``len(keys)`` per ``lookup_prefix``).
+        hits: Keys found ready.
+        pending_hits: Keys found pending (``lookup`` only; vLLM counts these as hits).
+        evictions: Entries evicted to make room (``remove`` is not an eviction).
+    """
+
+    queries: int = 0
+    hits: int = 0
+    pending_hits: int = 0
+    evictions: int = 0
+
+
+def check_key(name: str, key: object) -> Key:
+    """Return ``key`` if it can be a store key; else raise :class:`InvalidArgumentError`.
+
+    ``None`` is refused (it is what a missing hash looks like) and so is
+    ``bool``: ``True == 1`` would alias the block hashed to 1.
+    """
+    if key.__class__ is bool:
+        raise InvalidArgumentError(f"{name} must be a hashable key that is not a bool, got {checks.describe(key)}")
+    return checks.hashable(name, key)
+
+
+def check_keys(name: str, keys: object) -> Sequence[Key]:
+    """Return ``keys`` if it is a list or tuple of distinct valid keys.
+
+    Order carries meaning (slot order, recency), so sets and other unordered
+    collections are refused; so are ``bytes`` and ``str``, which are sequences
+    of characters, not of keys.  A key named twice in one call is a caller bug
+    (a chained block hash cannot repeat within one request), and refusing it
+    keeps every per-key precondition checkable before any change.
+    """
+    if keys.__class__ not in (list, tuple):
+        raise InvalidArgumentError(f"{name} must be a list or tuple of keys, got {checks.describe(keys)}")
+    # Fast path, one C-level pass: all hashable, distinct, no None.  ``True in``
+    # also matches the key 1 (equal hashes), so 0 and 1 take the exact path below.
+    try:
+        distinct = dict.fromkeys(keys)  # type: ignore[arg-type]
+    except TypeError:
+        distinct = None
+    if (
+        distinct is not None
+        and len(distinct) == len(keys)  # type: ignore[arg-type]
+        and None not in distinct
+        and True not in distinct
+        and False not in distinct
+    ):
+        return keys  # type: ignore[return-value]
+    seen: dict[Key, int] = {}
+    for i, key in enumerate(keys):  # type: ignore[arg-type]
+        check_key(f"{name}[{i}]", key)
+        j = seen.setdefault(key, i)
+        if j != i:
+            raise InvalidArgumentError(f"{name} names key {checks.describe(key)} twice (positions {j} and {i})")
+    return keys  # type: ignore[return-value]
+
+
+class BlockStore(abc.ABC):
+    """A tier below the GPU, keyed by block hash; one implementation per medium.
+
+    Invariants every implementation keeps:
+
+    * ``num_used + num_free == capacity``; each slot is held by at most one key.
+    * A pending entry is neither loadable nor evictable: its bytes are still
+      being written, so a load would read garbage and an eviction would hand the
+      slot to a second writer while the first copy still runs.
+    * A pinned entry (``ref_cnt > 0``) is never evicted or removed: a copy is
+      reading its slot.
+    * A refused call (``None`` returned, or an error raised) changes nothing.
+
+    Attributes:
+        medium: The name copy engines know the medium by (``"CPU"``, ...).
+    """
+
+    medium: str
+
+    @abc.abstractmethod
+    def lookup(self, key: Key) -> LookupResult:
+        """Whether ``key`` is ready, pending or absent (counted in :attr:`stats`)."""
+
+    @abc.abstractmethod
+    def lookup_prefix(self, keys: Sequence[Key]) -> int:
+        """How many leading ``keys`` are ready; stops at the first that is not.
+
+        A pending key ends the prefix: its bytes cannot be loaded yet.
+        """
+
+    @abc.abstractmethod
+    def prepare_load(self, keys: Sequence[Key]) -> LoadStoreSpec:
+        """Pin every key (ref +1) for a copy out of the store; return their slots.
+
+        Every key must be ready.  Pins keep the slots from being evicted or
+        removed until :meth:`complete_load`.  Recency is not changed here
+        (call :meth:`touch`), as in vLLM.
+
+        Raises:
+            BlockStateError: A key is absent or pending; nothing is pinned.
+        """
+
+    @abc.abstractmethod
+    def touch(self, keys: Sequence[Key]) -> None:
+        """Record a use of ``keys``; unknown keys are ignored.
+
+        Keys are walked in reverse, so the *first* key ends most recent.  The
+        keys of one request form a prefix chain, and a later block is useless
+        without every block before it: evicting from the tail of a chain first
+        keeps the longest loadable prefix.
+        """
+
+    @abc.abstractmethod
+    def complete_load(self, keys: Sequence[Key]) -> None:
+        """Unpin every key (ref -1) once the copy that read it has finished.
+
+        Raises:
+            BlockStateError: A key is absent, pending or not pinned; nothing changes.
+        """
+
+    @abc.abstractmethod
+    def prepare_store(self, keys: Sequence[Key]) -> PrepareStoreOutput | None:
+        """Reserve a slot for each given key that is absent, evicting by policy if needed.
+
+        Keys already present (pending or ready) are skipped and protected: the
+        eviction never picks one of the given keys, because the caller is about
+        to rely on them.  New entries are pending until :meth:`complete_store`.
+
+        Returns:
+            The keys to copy, their slots and what was evicted; or ``None`` if
+            not enough entries are evictable, in which case nothing changed
+            (nothing evicted, nothing reserved).
+        """
+
+    @abc.abstractmethod
+    def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
+        """Finish stores: pending keys become ready, or with ``success=False`` are dropped.
+
+        Keys that are not pending are ignored, as in vLLM.  That lets a caller
+        pass the whole list it gave to :meth:`prepare_store`, including keys
+        that were already present and so were never reserved; it also means a
+        completion for a key this store never reserved is not reported.
+        """
+
+    @abc.abstractmethod
+    def remove(self, keys: Sequence[Key]) -> None:
+        """Drop ready, unpinned entries now (private blocks whose owner is done).
+
+        Raises:
+            BlockStateError: A key is absent, pending or pinned; nothing changes.
+        """
+
+    @abc.abstractmethod
+    def take_events(self) -> list[StoreEvent]:
+        """Return the queued events (oldest first) and start a new batch."""
+
+    @property
+    @abc.abstractmethod
+    def num_blocks(self) -> int:
+        """Slot ids in the medium, including the reserved id 0."""
+
+    @property
+    def capacity(self) -> int:
+        """Blocks the store can hold: ``num_blocks - 1`` (slot 0 is reserved)."""
+        return self.num_blocks - 1
+
+    @property
+    @abc.abstractmethod
+    def num_used(self) -> int:
+        """Slots held by an entry, pending or ready."""
+
+    @property
+    def num_free(self) -> int:
+        """Slots held by no entry."""
+        return self.capacity - self.num_used
+
+    @property
+    @abc.abstractmethod
+    def num_pinned(self) -> int:
+        """Entries with a load in flight (``ref_cnt > 0``)."""
+
+    @property
+    @abc.abstractmethod
+    def num_pending(self) -> int:
+        """Entries whose store is in flight."""
+
+    @property
+    @abc.abstractmethod
+    def num_evictable(self) -> int:
+        """Ready entries with no load in flight: what eviction may pick from."""
+
+    @property
+    def usage(self) -> float:
+        """``num_used / capacity``: occupied slots, evictable ones included."""
+        return self.num_used / self.capacity
+
+    @property
+    @abc.abstractmethod
+    def stats(self) -> StoreStats:
+        """Cumulative hit/query/eviction counters."""
+
+    @abc.abstractmethod
+    def entries(self) -> list[StoreEntry]:
+        """Every resident entry, in the policy's order (LRU: least recent first)."""
+
+    @abc.abstractmethod
+    def check_invariants(self) -> None:
+        """Assert the store's invariants (O(num_blocks); for tests and debugging)."""
