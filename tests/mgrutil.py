@@ -1,4 +1,4 @@
-"""Helpers for tier-manager tests: tiny managers, exact snapshots."""
+"""Helpers for tier-manager tests: tiny managers, exact snapshots (public API only)."""
 
 from __future__ import annotations
 
@@ -18,40 +18,50 @@ def make_tm(gpu: int = 9, cpu: int = 9, bs: int = BS, **kw) -> tuple[TierManager
 
 
 def run(tm: TierManager, rid: str, text: str) -> Request:
-    """Admit a whole prompt, compute it in one step, report it computed."""
+    """Admit a whole prompt, compute it in one step (as a scheduler would), report it computed."""
     req = Request(rid, letters(text))
     res = tm.admit(req, req.num_tokens)
     assert res is not None and res.runnable
-    req.num_computed_tokens += res.num_new_tokens
+    req.num_computed_tokens = res.num_computed_tokens + res.num_new_tokens  # the scheduler's job
     assert req.num_computed_tokens == req.num_tokens
     tm.on_tokens_computed(rid)
     return req
 
 
+def settle(tm: TierManager, eng: ControlledCopyEngine) -> list:
+    """Complete every copy in flight (in an order their waits allow) and poll."""
+    eng.complete_all()
+    return tm.poll()
+
+
 def gq(tm: TierManager) -> list[str]:
-    return queue(tm.gpu_pool)
+    return queue(tm.gpu.block_pool)
 
 
-def cq(tm: TierManager) -> list[str]:
-    return queue(tm.cpu_pool)
+def store_snapshot(tm: TierManager) -> tuple:
+    if tm.store is None:
+        return ()
+    return (
+        tuple((repr(e.key), e.block_id, e.ready, e.ref_cnt) for e in tm.store.entries()),
+        tuple(tm.store.free_block_ids()),
+        tm.store.stats,
+    )
 
 
 def tm_snapshot(tm: TierManager) -> tuple:
     return (
-        pool_snapshot(tm.gpu_pool),
-        pool_snapshot(tm.cpu_pool) if tm.cpu_pool is not None else None,
-        {
-            rid: (
-                e.state,
-                [b.block_id for b in tm.gpu.req_to_blocks.get(rid, [])],
-                [c.block_id if c else None for c in e.cpu_table],
-                e.request.num_computed_tokens,
-                e.num_kv_tokens,
-                e.plan_id,
-            )
-            for rid, e in tm._entries.items()
-        },
-        sorted(tm._plans),
-        tuple(vars(tm.counters).items()) if hasattr(tm.counters, "__dict__") else repr(tm.counters),
+        pool_snapshot(tm.gpu.block_pool),
+        store_snapshot(tm),
+        {rid: (tm.residency(rid), tm.gpu_block_ids(rid), tm.cpu_block_ids(rid)) for rid in tm.requests()},
+        [p.plan_id for p in tm.plans_in_flight()],
+        tm.metrics().to_dict(),
         len(tm.decision_log),
     )
+
+
+def cq(tm: TierManager) -> list[str]:
+    """CPU store entries in eviction order: ``"3"`` ready, ``"3@2"`` pinned by 2 loads, ``"3~"`` being written."""
+    out = []
+    for e in tm.store.entries():
+        out.append(f"{e.block_id}" + ("~" if not e.ready else f"@{e.ref_cnt}" if e.ref_cnt else ""))
+    return out

@@ -89,7 +89,7 @@ def moved_blocks(engine: Engine) -> bool:
 def test_swapped_out_and_back_into_other_blocks_is_bit_exact(layout):
     ps = prompts(1)
     e = run(ps, num_gpu_blocks=16, layout=layout, mode="swap")
-    c = e.tm.metrics().counters
+    c = e.metrics().counters
     assert c.preemptions_swap > 0 and c.swap_in_blocks > 0 and c.preemptions_recompute == 0
     assert moved_blocks(e)
     check(e, ps, layout, exact_logits=True)
@@ -99,7 +99,7 @@ def test_swapped_out_and_back_into_other_blocks_is_bit_exact(layout):
 def test_preempted_and_recomputed(layout):
     ps = prompts(2)
     e = run(ps, num_gpu_blocks=16, layout=layout, mode="recompute")
-    assert e.tm.metrics().counters.preemptions_recompute > 0
+    assert e.metrics().counters.preemptions_recompute > 0
     worst = check(e, ps, layout, exact_logits=False)
     assert worst > 0  # the recomputed KV really was computed in different chunks
 
@@ -108,7 +108,7 @@ def test_preempted_and_recomputed(layout):
 def test_shared_prefix(layout):
     ps = prompts(3, n=5, shared=20)
     e = run(ps, num_gpu_blocks=64, layout=layout)
-    assert e.tm.metrics().counters.gpu_hit_tokens >= 4 * 20 - 4 * 3
+    assert e.metrics().counters.gpu_hit_tokens >= 4 * 20 - 4 * 3
     check(e, ps, layout, exact_logits=False)
 
 
@@ -125,7 +125,7 @@ def test_prefix_onboarded_from_the_cpu_tier(layout):
             e.add_request(rid, p, MAX_TOKENS)
         e.run()
     e.close()
-    c = e.tm.metrics().counters
+    c = e.metrics().counters
     assert c.offload_blocks > 0 and c.onboard_blocks >= 5 and c.cpu_hit_tokens >= 20
     check(e, {**first, **fillers, **later}, layout, exact_logits=False)
 
@@ -134,7 +134,7 @@ def test_prefix_onboarded_from_the_cpu_tier(layout):
 def test_auto_mode_mixes_and_stays_exact(layout):
     ps = prompts(5, n=8)
     e = run(ps, num_gpu_blocks=18, layout=layout, mode="auto", policy="cost_aware", offload="on_evict")
-    c = e.tm.metrics().counters
+    c = e.metrics().counters
     assert c.preemptions_swap + c.preemptions_recompute > 0
     check(e, ps, layout, exact_logits=False)
 
@@ -151,11 +151,11 @@ def test_failed_swap_out_and_swap_in_keep_requests_recoverable_and_exact():
 
     ps = prompts(6)
     e = run(ps, num_gpu_blocks=16, mode="swap", copy_engine=Flaky)
-    c = e.tm.metrics().counters
+    c = e.metrics().counters
     assert c.plans_failed >= 3 and failed == {"D2H": 2, "H2D": 2}
     assert c.swap_in_blocks > 0
     check(e, ps, "block_contiguous", exact_logits=True)
-    e.tm.check_invariants()
+    e.scheduler.tm.check_invariants()
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -163,7 +163,7 @@ def test_chunked_prefill_under_preemption(mode):
     """An 8-token budget chunks every prompt; tokens still match the unchunked references."""
     ps = prompts(7)
     e = run(ps, num_gpu_blocks=16, mode=mode, max_num_batched_tokens=8)
-    c = e.tm.metrics().counters
+    c = e.metrics().counters
     assert c.preemptions_swap + c.preemptions_recompute > 0
     assert all(s[0] <= 8 for s in e.stats.step_log)  # the budget held...
     assert max(len(p) for p in ps.values()) > 8 and any(s[0] == 8 for s in e.stats.step_log)  # ...so prompts were split
@@ -199,7 +199,9 @@ def test_on_evict_offload_under_a_slow_copy_engine_serves_exact_tokens(window):
             e.add_request(rid, p, MAX_TOKENS)
         e.run()
     e.close()
-    c = e.tm.metrics().counters
-    assert c.offload_blocks > 0 and c.onboard_blocks > 0
+    c = e.metrics().counters
+    assert c.offload_blocks > 0
+    if window >= 4:  # the window covers the prefix: it is saved whole before any of it is evicted
+        assert c.onboard_blocks > 0
     check(e, {**first, **fillers, **later}, "block_contiguous", exact_logits=False)
-    e.tm.check_invariants()
+    e.scheduler.tm.check_invariants()

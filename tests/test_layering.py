@@ -19,11 +19,12 @@ LAYER = {
     "storage": 1,
     "transfer": 1,
     "manager": 2,
-    "sim": 3,
-    "engine": 3,
-    "demo": 4,
-    "tools": 4,
-    "cli": 4,
+    "sched": 3,
+    "sim": 4,
+    "engine": 4,
+    "demo": 5,
+    "tools": 5,
+    "cli": 5,
 }
 ALLOWED_SIDEWAYS = {
     ("transfer", "storage"),

@@ -61,9 +61,9 @@ def test_swap_scenario_whole_event_trace():
         (5.0, "preempt_swap", 1),
         (5.0, "step", ((0, 1),)),
         (6.0, "finish", 0),
-        (6.0, "transfer_start", (6, "swap_in", "H2D", 1, 6.25)),
+        (6.0, "transfer_start", (2, "swap_in", "H2D", 1, 6.25)),
         (6.0, "resume", 1),
-        (6.25, "transfer_done", 6),
+        (6.25, "transfer_done", 2),
         (6.25, "step", ((1, 1),)),
         (7.25, "step", ((1, 1),)),
         (8.25, "step", ((1, 1),)),
@@ -114,8 +114,8 @@ def test_conservation_under_preemption(index):
     assert res["output_tokens"] == res["requested_output_tokens"]
     assert res["blocks_held_at_end"] == {"gpu": 0, "cpu": 0}
     assert res["preemptions_swap"] + res["preemptions_recompute"] > 0  # tiny memory: there is preemption
-    assert sim.tm.requests() == [] and sim.tm.plans_in_flight() == []
-    sim.tm.check_invariants()
+    assert sim.scheduler.tm.requests() == [] and sim.scheduler.tm.plans_in_flight() == []
+    sim.scheduler.tm.check_invariants()
 
 
 def test_same_seed_same_json_different_seed_different():
@@ -261,4 +261,4 @@ def test_conservation_when_copies_fail_at_random(index):
     assert res["plans_failed"] > 0
     assert res["requests_finished"] == 40 and res["output_tokens"] == res["requested_output_tokens"]
     assert res["blocks_held_at_end"] == {"gpu": 0, "cpu": 0}
-    sim.tm.check_invariants()
+    sim.scheduler.tm.check_invariants()

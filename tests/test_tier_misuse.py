@@ -11,12 +11,18 @@ import threading
 
 import pytest
 from fakekv import FakeKV
-from mgrutil import make_tm, run, tm_snapshot
+from mgrutil import make_tm, run, settle, tm_snapshot
 from poolutil import letters
 
 from tiered_kv.core import Request
-from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, TieredKVError
-from tiered_kv.manager import RequestState, TierManager
+from tiered_kv.errors import (
+    ConcurrentUseError,
+    InvalidArgumentError,
+    InvalidTransitionError,
+    TieredKVError,
+    UnknownRequestError,
+)
+from tiered_kv.manager import CostModel, Residency, TierManager
 from tiered_kv.transfer import ControlledCopyEngine, TransferHandle, TransferPlan
 
 np = pytest.importorskip("numpy")
@@ -26,73 +32,98 @@ BAD_IDS = [["run"], {"run": 1}, None]
 
 
 def populated():
-    """Requests in every state: running, swapping out (in flight), swapped, preempted; a CPU prefix tier."""
-    tm, eng = make_tm(gpu=13, cpu=11, offload="write_through")
+    """Requests in every residency: on the GPU, swapping out (in flight), swapped, loading; a CPU prefix tier."""
+    tm, eng = make_tm(gpu=13, cpu=21, offload="write_through")
     run(tm, "run", "AAAABBBBCC")
     run(tm, "out", "XXXXYYYYZ")
     run(tm, "sw", "QQQQRRRRS")
-    eng.complete_all()
-    tm.poll()
-    tm.preempt_request("sw", "swap")
-    eng.complete_all()
-    tm.poll()
-    tm.preempt_request("out", "swap")  # left in flight
-    run(tm, "pre", "PPPP")
-    tm.preempt_request("pre", "recompute")
+    run(tm, "gone", "GGGGHHHHi")
+    settle(tm, eng)
+    tm.preempt("sw", "swap")
+    settle(tm, eng)
+    tm.free("gone")
+    run(tm, "fill", "f" * 24)  # every free GPU block: evicts gone's prefix; it stays on the CPU
+    settle(tm, eng)
+    tm.free("fill")
+    tm.admit(Request("load", letters("GGGGHHHHj")), 9)  # onboarding from the CPU, left in flight
+    tm.preempt("out", "swap")  # left in flight
     return tm, eng
 
 
-def new_req(text: str = "AAAABBBBCCCCqq") -> Request:
-    return Request("new", letters(text))  # AAAA BBBB hit the GPU, CCCC the CPU
+def new_req(text: str = "AAAABBBBGGGGqq") -> Request:
+    return Request("new", letters(text))
 
 
 ROWS: list[tuple[str, object]] = []
 for v in BAD_COUNTS:
     ROWS += [
-        (f"admit num_new_tokens={v!r}", lambda tm, eng, v=v: tm.admit(new_req(), v)),
+        (f"admit max_new_tokens={v!r}", lambda tm, eng, v=v: tm.admit(new_req(), v)),
         (f"admit num_lookahead_tokens={v!r}", lambda tm, eng, v=v: tm.admit(new_req(), 4, v)),
         (f"allocate num_new_tokens={v!r}", lambda tm, eng, v=v: tm.allocate("run", v)),
         (f"allocate num_lookahead_tokens={v!r}", lambda tm, eng, v=v: tm.allocate("run", 1, v)),
-        (f"preempt num_blocks_needed={v!r}", lambda tm, eng, v=v: tm.preempt(v)),
+        (f"blocks_short num_new_tokens={v!r}", lambda tm, eng, v=v: tm.blocks_short("run", v)),
         (f"handle plan_id={v!r}", lambda tm, eng, v=v: tm.handle(v)),
     ]
 for v in BAD_IDS:
     for name in (
         "allocate",
-        "mark_scheduled",
         "on_tokens_computed",
         "quote",
-        "preempt_request",
+        "preempt",
         "resume",
         "drop_swapped",
-        "finish",
+        "free",
         "cancel",
-        "state",
-        "is_runnable",
+        "residency",
+        "holds",
         "gpu_block_ids",
         "cpu_block_ids",
+        "blocks_short",
     ):
-        args = (v, 1) if name == "allocate" else (v,)
+        args = (v, 1) if name in ("allocate", "blocks_short") else (v,)
         ROWS.append((f"{name} request_id={v!r}", lambda tm, eng, n=name, a=args: getattr(tm, n)(*a)))
 ROWS += [
     ("admit request=None", lambda tm, eng: tm.admit(None, 1)),
     ("admit a request id", lambda tm, eng: tm.admit("new", 1)),
-    ("preempt policy=3", lambda tm, eng: tm.preempt(1, policy=3)),
-    ("preempt policy='random'", lambda tm, eng: tm.preempt(1, policy="random")),
-    ("preempt mode=''", lambda tm, eng: tm.preempt(1, mode="")),
-    ("preempt mode=True", lambda tm, eng: tm.preempt(1, mode=True)),
-    ("preempt exclude='run'", lambda tm, eng: tm.preempt(1, exclude="run")),
-    ("preempt exclude=[['run']]", lambda tm, eng: tm.preempt(1, exclude=[["run"]])),
-    ("preempt exclude=5", lambda tm, eng: tm.preempt(1, exclude=5)),
-    ("preempt_request mode='auto'", lambda tm, eng: tm.preempt_request("run", "auto")),
-    ("preempt_request mode=None", lambda tm, eng: tm.preempt_request("run", None)),
+    ("preempt mode=''", lambda tm, eng: tm.preempt("run", "")),
+    ("preempt mode=True", lambda tm, eng: tm.preempt("run", True)),
+    ("preempt mode=None", lambda tm, eng: tm.preempt("run", None)),
     ("process_completion(None)", lambda tm, eng: tm.process_completion(None)),
     ("process_completion(a plan)", lambda tm, eng: tm.process_completion(tm.plans_in_flight()[0])),
-    ("wait_all timeout=-1", lambda tm, eng: tm.wait_all(-1)),
-    ("wait_all timeout='1'", lambda tm, eng: tm.wait_all("1")),
-    ("wait_all timeout=nan", lambda tm, eng: tm.wait_all(float("nan"))),
-    ("requests state='running'", lambda tm, eng: tm.requests("running")),
+    ("wait timeout=-1", lambda tm, eng: tm.wait(-1)),
+    ("wait timeout='1'", lambda tm, eng: tm.wait("1")),
+    ("wait timeout=nan", lambda tm, eng: tm.wait(float("nan"))),
 ]
+TRANSITIONS = [
+    ("resume a request on the GPU", InvalidTransitionError, "'run' is gpu, not cpu", lambda tm: tm.resume("run")),
+    ("resume mid swap-out", InvalidTransitionError, "'out' is swapping_out, not cpu", lambda tm: tm.resume("out")),
+    ("free mid swap-out", InvalidTransitionError, "'out' is swapping_out", lambda tm: tm.free("out")),
+    ("free mid onboarding", InvalidTransitionError, "'load' is loading", lambda tm: tm.free("load")),
+    ("free an unknown request", UnknownRequestError, "'ghost' is not held", lambda tm: tm.free("ghost")),
+    ("admit a held request", InvalidTransitionError, "'sw' is already held", lambda tm: tm.admit(_held("sw"), 1)),
+    ("grow a swapped request", InvalidTransitionError, "'sw' is cpu, not gpu", lambda tm: tm.allocate("sw", 1)),
+    ("grow a loading request", InvalidTransitionError, "'load' is loading", lambda tm: tm.allocate("load", 1)),
+    ("quote a swapped request", InvalidTransitionError, "'sw' is cpu, not gpu", lambda tm: tm.quote("sw")),
+    ("preempt a swapped request", InvalidTransitionError, "'sw' is cpu", lambda tm: tm.preempt("sw", "swap")),
+    ("preempt mid swap-out", InvalidTransitionError, "'out' is swapping_out", lambda tm: tm.preempt("out")),
+    ("drop a running request's swap", InvalidTransitionError, "'run' is gpu", lambda tm: tm.drop_swapped("run")),
+    (
+        "admit a request with computed tokens",
+        InvalidArgumentError,
+        "has no computed tokens",
+        lambda tm: tm.admit(_with_progress(), 1),
+    ),
+]
+
+
+def _held(rid: str) -> Request:
+    return Request(rid, letters("QQQQRRRRS"))
+
+
+def _with_progress() -> Request:
+    r = new_req()
+    r.num_computed_tokens = 4
+    return r
 
 
 @pytest.mark.parametrize(("name", "action"), ROWS, ids=[r[0] for r in ROWS])
@@ -107,17 +138,56 @@ def test_bad_argument_raises_and_changes_nothing(name, action):
     tm.check_invariants()
 
 
+@pytest.mark.parametrize(("name", "exc", "message", "action"), TRANSITIONS, ids=[t[0] for t in TRANSITIONS])
+def test_impossible_transition_raises_and_changes_nothing(name, exc, message, action):
+    tm, _eng = populated()
+    before = tm_snapshot(tm)
+    with pytest.raises(exc, match=message) as info:
+        action(tm)
+    assert isinstance(info.value, TieredKVError)
+    assert tm_snapshot(tm) == before, f"{name}: state changed"
+    tm.check_invariants()
+
+
+def test_resume_that_does_not_fit_returns_none_and_changes_nothing():
+    tm, eng = make_tm(gpu=5, cpu=9)
+    run(tm, "A", "AAAABBBBC")
+    tm.preempt("A", "swap")
+    settle(tm, eng)
+    tm.admit(Request("F", letters("f" * 16)), 16)  # every GPU block, evicting A's cache
+    before = tm_snapshot(tm)
+    assert tm.resume("A") is None
+    assert tm_snapshot(tm) == before
+
+
+def test_a_cost_model_for_another_kv_shape_is_refused():
+    from engineutil import SPEC, tiers
+
+    from tiered_kv.manager import CostModel
+    from tiered_kv.transfer.cpu_engine import CpuCopyEngine
+
+    with CpuCopyEngine(tiers("block_contiguous")) as copy:
+        wrong = CostModel(kv_bytes_per_token=128 * 1024, block_size=SPEC.block_size)  # Llama-3-8B's, not SPEC's
+        with pytest.raises(InvalidArgumentError, match="built for 131072 KV bytes per token, but the storage"):
+            TierManager(16, 16, SPEC.block_size, copy, cost_model=wrong)
+        tm = TierManager(16, 16, SPEC.block_size, copy)  # sizes from the engine's KV spec
+        assert tm.cost_model.kv_bytes_per_token == SPEC.bytes_per_token
+    with pytest.raises(InvalidArgumentError, match="will not guess KV sizes"):
+        TierManager(8, 8, 4, ControlledCopyEngine())
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"num_cpu_blocks": 2.0}, "num_cpu_blocks must be 0 or an int >= 2"),
+        ({"num_cpu_blocks": 1}, "num_cpu_blocks must be 0 or an int >= 2"),
         ({"num_gpu_blocks": True}, "num_blocks must be an int >= 2"),
+        ({"num_gpu_blocks": 0}, "num_blocks must be an int >= 2"),
         ({"block_size": 4.0}, "block_size must be a positive int"),
-        ({"mode": ""}, "mode must be one of"),
-        ({"mode": None}, "mode must be one of"),
+        ({"block_size": -16}, "block_size must be a positive int"),
         ({"offload": None}, "offload must be one of"),
-        ({"policy": None}, "policy must be a policy name or a VictimPolicy"),
-        ({"policy": "random"}, "unknown victim policy"),
+        ({"offload": "always"}, "offload must be one of"),
+        ({"store_policy": "fifo"}, "policy"),
         ({"enable_caching": 0}, "enable_caching must be True or False"),
         ({"enable_caching": False, "offload": "write_through"}, "needs prefix caching"),
         ({"evict_window": 0}, "evict_window must be an int > 0"),
@@ -125,39 +195,43 @@ def test_bad_argument_raises_and_changes_nothing(name, action):
         ({"hash_seed": -1}, "hash_seed must be an int >= 0"),
         ({"copy_engine": object()}, "copy_engine must have submit"),
         ({"cost_model": {"kv_bytes_per_token": 1}}, "cost_model must be a CostModel"),
+        ({"cost_model": CostModel(kv_bytes_per_token=8, block_size=16)}, "block_size 16 != manager block_size 4"),
     ],
 )
 def test_bad_construction(kwargs, message):
-    args = {"num_gpu_blocks": 8, "num_cpu_blocks": 8, "block_size": 4, "copy_engine": ControlledCopyEngine()}
+    args = {
+        "num_gpu_blocks": 8,
+        "num_cpu_blocks": 8,
+        "block_size": 4,
+        "copy_engine": ControlledCopyEngine(),
+        "cost_model": CostModel(kv_bytes_per_token=8, block_size=4),
+    }
     args.update(kwargs)
     with pytest.raises(InvalidArgumentError, match=message):
         TierManager(**args)
 
 
 @pytest.mark.parametrize("bad", [2.5, np.int64(4)])
-def test_admit_with_a_bad_count_leaves_no_phantom_entry_and_no_held_cpu_block(bad):
-    """The count is checked before the entry is inserted and the CPU prefix hits are touched."""
+def test_admit_with_a_bad_count_leaves_no_phantom_entry_and_no_pinned_cpu_block(bad):
+    """The count is checked before the entry is inserted and the CPU prefix hits are pinned."""
     tm, eng = make_tm(gpu=9, cpu=17, offload="write_through")
     run(tm, "P", "AAAABBBBC")
-    eng.complete_all()
-    tm.poll()
-    tm.finish("P")
+    settle(tm, eng)
+    tm.free("P")
     run(tm, "F", "f" * 32)  # every GPU block: P's prefix now lives on the CPU only
-    tm.finish("F")
-    eng.complete_all()
-    tm.poll()
+    tm.free("F")
+    settle(tm, eng)
     req = Request("Q", letters("AAAABBBBq"))
     before = tm_snapshot(tm)
-    with pytest.raises(InvalidArgumentError, match="num_new_tokens must be an int > 0"):
+    with pytest.raises(InvalidArgumentError, match="max_new_tokens must be an int > 0"):
         tm.admit(req, bad)
     assert tm_snapshot(tm) == before
-    assert "Q" not in tm.requests()
-    res = tm.admit(req, 9)  # and the retry is not refused as "already running"
-    assert (res.num_gpu_hit_tokens, res.num_cpu_hit_tokens) == (0, 8)
-    eng.complete_all()
-    tm.poll()
-    tm.finish("Q")
-    assert tm.cpu_pool.get_num_free_blocks() == 16  # no CPU block leaked
+    assert not tm.holds("Q")
+    res = tm.admit(req, 9)  # and the retry is not refused as "already held"
+    assert (res.num_computed_tokens, res.num_loading_tokens) == (0, 8)
+    settle(tm, eng)
+    tm.free("Q")
+    assert tm.store.num_pinned == 0  # no CPU block stays pinned
 
 
 def test_caching_off_is_a_working_configuration():
@@ -165,43 +239,43 @@ def test_caching_off_is_a_working_configuration():
     tm, eng = make_tm(gpu=9, cpu=9, enable_caching=False)
     kv = FakeKV()
     eng.on_complete = kv.copy
+    reqs = {}
 
     def computed(rid, text):
         req = Request(rid, letters(text))
         res = tm.admit(req, req.num_tokens)
-        assert res.runnable and res.num_gpu_hit_tokens == 0
-        kv.compute(tm, rid, req.num_tokens)
+        assert res.runnable and res.num_computed_tokens == 0
+        kv.compute(tm, req, req.num_tokens)
         req.num_computed_tokens = req.num_tokens
+        reqs[rid] = req
         return req
 
     a = computed("A", "AAAABBBBCC")
     computed("B", "AAAABBBBCC")  # the same prompt: no prefix hit with caching off
     assert tm.gpu_block_ids("B") == [4, 5, 6]
-    tm.preempt_request("A", "swap")
-    eng.complete_all()
-    tm.poll()
-    assert tm.state("A") is RequestState.SWAPPED and tm.cpu_block_ids("A") == [1, 2, 3]
-    tm.finish("B")
+    tm.preempt("A", "swap")
+    settle(tm, eng)
+    assert tm.residency("A") is Residency.CPU and tm.cpu_block_ids("A") == [1, 2, 3]
+    tm.free("B")
     computed("C", "c" * 20)  # every GPU block is reused
-    tm.finish("C")
+    tm.free("C")
     res = tm.resume("A")
-    assert res.plan is not None and res.num_restored_tokens == 10
-    eng.complete_all()
-    tm.poll()
-    assert tm.is_runnable("A") and a.num_computed_tokens == 10
-    kv.check(tm)
+    assert res.plan is not None and res.num_tokens == 10
+    (c,) = settle(tm, eng)
+    assert c.ok and c.num_tokens == 10 and tm.residency("A") is Residency.GPU
+    kv.check(tm, reqs)
     a.append_output_token_ids(letters("DD"))
     assert tm.allocate("A", 2) is not None  # caching the now-full block would have raised
-    tm.preempt_request("A", "swap")
-    eng.complete_all()
-    tm.poll()
+    a.num_computed_tokens = 12
+    tm.preempt("A", "swap")
+    settle(tm, eng)
     assert tm.resume("A") is not None
-    eng.complete_all()
-    tm.poll()
-    assert tm.is_runnable("A")
-    for pool in (tm.gpu_pool, tm.cpu_pool):
-        assert all(b.block_hash is None for b in pool.blocks), "something was hashed with caching off"
-    tm.finish("A")
+    settle(tm, eng)
+    assert tm.residency("A") is Residency.GPU
+    assert all(b.block_hash is None for b in tm.gpu.block_pool.blocks), "a GPU block was hashed with caching off"
+    assert not any(isinstance(e.key, bytes) for e in tm.store.entries())
+    tm.free("A")
+    assert tm.store.num_used == 0  # private blocks are dropped with their request
     tm.check_invariants()
 
 
@@ -225,42 +299,43 @@ class RaisingEngine(ControlledCopyEngine):
 
 def test_an_engine_raising_anything_is_a_failed_copy_and_rolls_back():
     eng = RaisingEngine({"GPU": 9, "CPU": 9})
-    tm = TierManager(9, 9, 4, eng)
+    tm = TierManager(9, 9, 4, eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=4))
     eng.broken = False
     run(tm, "A", "AAAABBBBCC")
     eng.broken = True
     before_gpu = tm.gpu_block_ids("A")
-    tm.preempt_request("A", "swap")  # submit raises OSError: no exception escapes
-    assert tm.cancel("A") is False  # the engine's cancel raises too; the plan had failed, not been cancelled
-    assert tm.state("A") is RequestState.RUNNING and tm.gpu_block_ids("A") == before_gpu
-    c = tm.metrics().counters
-    assert (c.plans_failed, c.swap_out_blocks) == (1, 0)
+    tm.preempt("A", "swap")  # submit raises OSError: no exception escapes
+    assert tm.cancel("A") is False  # the engine's cancel raises too; the copy had failed, not been cancelled
+    (c,) = tm.poll()
+    assert not c.ok
+    assert tm.residency("A") is Residency.GPU and tm.gpu_block_ids("A") == before_gpu
+    cnt = tm.metrics().counters
+    assert (cnt.plans_failed, cnt.swap_out_blocks) == (1, 0)
     tm.check_invariants()
     eng.broken = False  # the request is still whole: a later swap works
-    tm.preempt_request("A", "swap")
-    eng.complete_all()
-    tm.poll()
-    assert tm.state("A") is RequestState.SWAPPED
+    tm.preempt("A", "swap")
+    settle(tm, eng)
+    assert tm.residency("A") is Residency.CPU
     eng.broken = True
     tm.resume("A")  # the swap-in's submit raises: the request stays swapped, resumable
     (done,) = tm.poll()
-    assert not done.ok and tm.state("A") is RequestState.SWAPPED and tm.cpu_block_ids("A") == [1, 2, 3]
+    assert not done.ok and tm.residency("A") is Residency.CPU and tm.cpu_block_ids("A") == [4, 5, 6]
     eng.broken = False
     tm.resume("A")
-    eng.complete_all()
-    tm.poll()
-    assert tm.is_runnable("A")
+    settle(tm, eng)
+    assert tm.residency("A") is Residency.GPU
     tm.check_invariants()
 
 
-def test_cancel_of_a_plan_the_engine_already_finished_says_false_and_commits():
+def test_cancel_of_a_copy_the_engine_already_finished_says_false_and_poll_commits_it():
     tm, eng = make_tm()
     run(tm, "A", "AAAABBBBCC")
-    tm.preempt_request("A", "swap")
+    tm.preempt("A", "swap")
     (plan,) = tm.plans_in_flight()
     eng.complete(plan.plan_id)  # finished on the engine's side; the manager has not polled yet
     assert tm.cancel("A") is False
-    assert tm.state("A") is RequestState.SWAPPED and tm.plans_in_flight() == []
+    (c,) = tm.poll()
+    assert c.ok and tm.residency("A") is Residency.CPU and tm.plans_in_flight() == []
     assert tm.metrics().counters.plans_cancelled == 0
     tm.check_invariants()
 
@@ -268,9 +343,9 @@ def test_cancel_of_a_plan_the_engine_already_finished_says_false_and_commits():
 def test_cancel_true_means_rolled_back():
     tm, _eng = make_tm()
     run(tm, "A", "AAAABBBBCC")
-    tm.preempt_request("A", "swap")
+    tm.preempt("A", "swap")
     assert tm.cancel("A") is True
-    assert tm.state("A") is RequestState.RUNNING and tm.metrics().counters.plans_cancelled == 1
+    assert tm.residency("A") is Residency.GPU and tm.metrics().counters.plans_cancelled == 1
 
 
 class GatedEngine(ControlledCopyEngine):
@@ -289,49 +364,44 @@ class GatedEngine(ControlledCopyEngine):
 
 def test_a_second_thread_entering_is_refused_with_a_clear_error():
     eng = GatedEngine({"GPU": 9, "CPU": 9})
-    tm = TierManager(9, 9, 4, eng)
+    tm = TierManager(9, 9, 4, eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=4))
     eng.release.set()
     run(tm, "A", "AAAABBBBCC")
     run(tm, "B", "XXXX")
     eng.release.clear()
-    worker = threading.Thread(target=tm.preempt_request, args=("A", "swap"))
+    eng.entered.clear()
+    worker = threading.Thread(target=tm.preempt, args=("A", "swap"))
     worker.start()
-    assert eng.entered.wait(10)  # the worker is inside preempt_request, in the engine's submit
-    for call in (lambda: tm.state("B"), lambda: tm.allocate("B", 1), lambda: tm.poll(), lambda: tm.finish("B")):
+    assert eng.entered.wait(10)  # the worker is inside preempt, in the engine's submit
+    for call in (lambda: tm.residency("B"), lambda: tm.allocate("B", 1), lambda: tm.poll(), lambda: tm.free("B")):
         with pytest.raises(ConcurrentUseError, match="single-threaded"):
             call()
     eng.release.set()
     worker.join(10)
-    assert tm.state("A") is RequestState.SWAPPING_OUT and tm.state("B") is RequestState.RUNNING
-    eng.complete_all()
-    tm.poll()
+    assert tm.residency("A") is Residency.SWAPPING_OUT and tm.residency("B") is Residency.GPU
+    settle(tm, eng)
     tm.check_invariants()
 
 
 def test_copy_engine_threads_complete_handles_while_the_owner_polls():
     """Completions arrive on engine threads; the owning thread's poll sees each exactly once."""
-    import torch  # noqa: F401  (the CPU engine needs torch)
     from engineutil import SPEC, tiers
 
-    from tiered_kv.manager import CostModel
     from tiered_kv.transfer.cpu_engine import CpuCopyEngine
 
     t = tiers("block_contiguous", gpu_blocks=33, cpu_blocks=65)
-    cm = CostModel(kv_bytes_per_token=SPEC.bytes_per_token, block_size=SPEC.block_size)
     with CpuCopyEngine(t, max_blocks_per_chunk=1) as copy:
-        tm = TierManager(33, 65, SPEC.block_size, copy, cost_model=cm)
-        reqs = []
+        tm = TierManager(33, 65, SPEC.block_size, copy)
         for i in range(8):
             r = Request(i, list(range(100 * i, 100 * i + 14)))
             assert tm.admit(r, 14).runnable
             r.num_computed_tokens = 14
-            reqs.append(r)
         settled = []
-        for r in reqs:
-            tm.preempt_request(r.request_id, "swap")
+        for i in range(8):
+            tm.preempt(i, "swap")
             settled += tm.poll()
         while tm.plans_in_flight():
             settled += tm.poll()
         assert sorted(c.request_id for c in settled) == list(range(8))
-        assert all(tm.state(i) is RequestState.SWAPPED for i in range(8))
+        assert all(tm.residency(i) is Residency.CPU for i in range(8))
         tm.check_invariants()

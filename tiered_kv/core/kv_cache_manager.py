@@ -276,7 +276,10 @@ class KVCacheManager:
             self.block_pool.check_own_blocks("new_computed_blocks", new_computed_blocks)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        """Cache every full block of ``request`` within its first ``num_computed_tokens`` tokens."""
+        """Cache every full block of ``request`` within its first ``num_computed_tokens`` tokens.
+
+        A no-op with prefix caching off: nothing is hashed or cached then.
+        """
         if not isinstance(request, Request):
             raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
         checks.count("num_computed_tokens", num_computed_tokens)
@@ -284,6 +287,8 @@ class KVCacheManager:
             raise InvalidArgumentError(
                 f"request {request.request_id!r}: cannot cache {num_computed_tokens} tokens of {request.num_tokens}"
             )
+        if not self.enable_caching:
+            return
         rid = request.request_id
         num_full = num_computed_tokens // self.block_size
         n_cached = self.num_cached_block.get(rid, 0)

@@ -18,11 +18,17 @@ import torch
 
 from tiered_kv.core.request import Request
 from tiered_kv.engine.model import ModelConfig, TinyLlama
+from tiered_kv.errors import TieredKVError
 from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.tier_manager import TierManager
-from tiered_kv.sim.scheduler import Scheduler, SchedulerConfig
+from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.transfer.storage_engine import StorageEngineBase
+
+
+class EngineStalledError(TieredKVError, RuntimeError):
+    """Requests wait, nothing can be scheduled and no copy is in flight: waiting would never end."""
 
 
 @dataclass
@@ -44,7 +50,8 @@ class Engine:
         num_gpu_blocks / num_cpu_blocks: Tier sizes (null block included).
         block_size: Tokens per block.
         layout: KV layout of both tiers.
-        policy / mode / offload / evict_window: Passed to the tier manager.
+        policy / mode: The scheduler's victim policy and preemption mode.
+        offload / evict_window: The tier manager's CPU prefix-tier policy.
         cost_model: For the cost-aware policy (e.g. from ``tiered-kv crossover``).
         copy_engine: Factory ``tiers -> engine``; default: CUDA streams on a GPU, else CPU threads.
         record_logits: Keep the logits every sampled token came from.
@@ -96,24 +103,20 @@ class Engine:
             h2d_bytes_per_s=10e9,
             prefill_tokens_per_s=20_000.0,
         )
-        self.tm = TierManager(
+        tm = TierManager(
             num_gpu_blocks,
             num_cpu_blocks,
             block_size,
             self.copy,
+            kv_spec=spec,
             cost_model=cm,
-            policy=policy,
-            mode=mode,
             offload=offload,
             hash_fn=hash_fn,
             evict_window=evict_window,
         )
         self.scheduler = Scheduler(
-            self.tm,
-            SchedulerConfig(max_num_batched_tokens, max_num_seqs, chunked_prefill),
-            policy,
-            mode,
-            on_finish=self._finished,
+            tm,
+            SchedulerConfig(max_num_batched_tokens, max_num_seqs, chunked_prefill, policy=policy, mode=mode),
         )
         self.model = TinyLlama(self.config, device)
         self.outputs: dict[Hashable, list[int]] = {}
@@ -137,30 +140,37 @@ class Engine:
         self.outputs[req.request_id] = req.output_token_ids
 
     def step(self) -> bool:
-        """Run one scheduling step; False when there is nothing left to do."""
-        tm = self.tm
+        """Run one scheduling step; False when there is nothing left to do.
+
+        When nothing can run because every request's KV is still arriving, it
+        waits for a copy.  When nothing can run and no copy is in flight, it
+        raises :class:`EngineStalledError` instead of spinning.
+        """
+        sched = self.scheduler
         t_step = time.perf_counter()
-        self.scheduler.poll()
-        batch = self.scheduler.schedule()
-        if not batch.items:
-            inflight = tm.plans_in_flight()
-            if inflight:
+        out = sched.schedule()
+        if not out.scheduled:
+            if sched.copies_in_flight():
                 t0 = time.perf_counter()
-                handle = tm.handle(inflight[0].plan_id)
-                if handle is not None:
-                    handle.wait(5.0)
+                sched.wait_for_copies(5.0)
                 self.stats.wait_s += time.perf_counter() - t0
                 return True
-            return self.scheduler.num_unfinished > 0 and bool(self.scheduler.waiting)
+            if sched.num_unfinished:
+                raise EngineStalledError(
+                    f"engine stalled: {sched.num_unfinished} requests unfinished ({len(sched.waiting)} waiting, "
+                    f"{len(sched.running)} running, {len(sched.swapped)} swapped), nothing schedulable and no "
+                    "copy in flight; the GPU pool may be too small for the longest request"
+                )
+            return False
         sampled: dict[Hashable, int] = {}
         kv = self.tiers["GPU"]
         t0 = time.perf_counter()
         attn = 0.0
         ctx = 0
-        for req, n in batch.items:
+        for req, n in out.scheduled:
             rid = req.request_id
             c = req.num_computed_tokens
-            table = tm.gpu_block_ids(rid)
+            table = sched.gpu_block_ids(rid)
             hist = self.tables.setdefault(rid, [])
             if not hist or hist[-1] != table[: len(hist[-1])]:
                 hist.append(list(table))
@@ -179,25 +189,27 @@ class Engine:
         compute = time.perf_counter() - t0
         self.stats.compute_s += compute
         self.stats.steps += 1
-        recomputed = self.scheduler.count_recomputed(batch)
-        self.scheduler.update(batch, lambda req: sampled[req.request_id])
+        for req in sched.update(out, sampled):
+            self._finished(req)
         dt = time.perf_counter() - t_step  # the whole step: scheduling, manager, model, bookkeeping
-        self.stats.step_log.append((batch.num_tokens, attn, ctx, len(batch.items), dt, compute))
-        if recomputed:
-            self.stats.recompute_s += dt * recomputed / batch.num_tokens
+        self.stats.step_log.append((out.num_tokens, attn, ctx, len(out.scheduled), dt, compute))
+        if out.recomputed_tokens:
+            self.stats.recompute_s += dt * out.recomputed_tokens / out.num_tokens
         return True
 
     def run(self, max_steps: int = 1_000_000) -> dict[Hashable, list[int]]:
-        """Step until every request finished; return the generated tokens per request."""
+        """Step until every request finished, then let copies in flight land; return the tokens per request."""
         t0 = time.perf_counter()
         for _ in range(max_steps):
-            if self.scheduler.num_unfinished == 0:
-                self.tm.wait_all(10)
-                break
             if not self.step():
-                raise RuntimeError(f"engine stalled with {self.scheduler.num_unfinished} requests unfinished")
+                break
+        self.scheduler.drain(10)
         self.stats.wall_s += time.perf_counter() - t0
         return self.outputs
+
+    def metrics(self) -> MetricsSnapshot:
+        """The tier manager's counters and gauges."""
+        return self.scheduler.metrics()
 
     def close(self) -> None:
         if hasattr(self.copy, "close"):

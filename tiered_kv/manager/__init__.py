@@ -1,49 +1,51 @@
-"""Layer 2: the tier manager, victim policies and the swap/recompute cost model."""
+"""Layer 2: where KV lives.  The tier manager, the CPU store, copies in flight, pricing and victim policies."""
 
 from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters
+from tiered_kv.manager.outcomes import Admission, Completion, Decision, Preemption, Resumption
 from tiered_kv.manager.policies import (
     POLICIES,
+    Candidate,
     CostAwarePolicy,
     LargestPolicy,
     LRUPolicy,
     PrefillAwarePolicy,
-    VictimInfo,
     VictimPolicy,
     get_policy,
+    select_victims,
 )
-from tiered_kv.manager.states import PreemptMode, RequestState
-from tiered_kv.manager.tier_manager import (
-    AdmitResult,
-    Completion,
-    DecisionLogEntry,
-    PreemptionResult,
-    Quote,
-    ResumeResult,
-    TierManager,
-    VictimDecision,
-)
+from tiered_kv.manager.pricing import Quote
+from tiered_kv.manager.states import PreemptMode, Residency
+from tiered_kv.manager.store import BlockStore, LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEvent
+from tiered_kv.manager.tier_manager import TierManager
 
 __all__ = [
     "POLICIES",
-    "AdmitResult",
+    "Admission",
+    "BlockStore",
+    "CPUStore",
+    "Candidate",
     "Completion",
     "CostAwarePolicy",
     "CostModel",
-    "DecisionLogEntry",
+    "Decision",
     "LRUPolicy",
     "LargestPolicy",
+    "LoadStoreSpec",
+    "LookupResult",
     "MetricsSnapshot",
     "PreemptMode",
-    "PreemptionResult",
+    "Preemption",
     "PrefillAwarePolicy",
+    "PrepareStoreOutput",
     "Quote",
-    "RequestState",
-    "ResumeResult",
+    "Residency",
+    "Resumption",
+    "StoreEvent",
     "TierCounters",
     "TierManager",
-    "VictimDecision",
-    "VictimInfo",
     "VictimPolicy",
     "get_policy",
+    "select_victims",
 ]

@@ -114,6 +114,30 @@ class CPUStore(BlockStore):
         self._hits += n
         return n
 
+    def contains(self, key: Key) -> bool:
+        """Whether ``key`` is resident, ready or pending (no statistics are counted)."""
+        return check_key("key", key) in self._entries
+
+    def is_ready(self, key: Key) -> bool:
+        """Whether ``key`` is resident and loadable (no statistics are counted)."""
+        entry = self._entries.get(check_key("key", key))
+        return entry is not None and entry.ref_cnt != _PENDING
+
+    def room_for(self, keys: Sequence[Key]) -> int:
+        """How many absent keys a ``prepare_store`` that protects all of ``keys`` could take now.
+
+        Free slots, plus evictable entries that are not among ``keys``.  The
+        tier manager prices a swap-out with it and sizes saves before eviction
+        by it, without trying a store it might have to undo.
+        """
+        check_keys("keys", keys)
+        protected = 0
+        for key in set(keys):
+            entry = self._entries.get(key)
+            if entry is not None and entry.ref_cnt == 0:
+                protected += 1
+        return self.num_free + self._num_evictable - protected
+
     # -------------------------------------------------------------------- loads
     def _ready(self, verb: str, keys: Sequence[Key]) -> list[_Slot]:
         """The entries of ``keys``, refusing any that is absent or pending."""

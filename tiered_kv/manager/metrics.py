@@ -1,16 +1,26 @@
-"""Tier-manager metrics, readable as one snapshot."""
+"""Tier-manager metrics: monotonic counters plus the gauges of one instant."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+
+from tiered_kv.transfer.plan import PlanKind
+
+_MOVED = {
+    PlanKind.SWAP_OUT: "swap_out",
+    PlanKind.SWAP_IN: "swap_in",
+    PlanKind.ONBOARD: "onboard",
+    PlanKind.OFFLOAD: "offload",
+}
 
 
 @dataclass(slots=True)
 class TierCounters:
-    """Monotonic counters kept by the manager."""
+    """Monotonic counters kept by the manager (tokens for lookups, blocks and bytes for copies)."""
 
     preemptions_swap: int = 0
     preemptions_recompute: int = 0
+    swaps_dropped: int = 0
     swap_out_blocks: int = 0
     swap_out_bytes: int = 0
     swap_in_blocks: int = 0
@@ -19,15 +29,36 @@ class TierCounters:
     onboard_bytes: int = 0
     offload_blocks: int = 0
     offload_bytes: int = 0
-    plans_submitted: int = 0
+    plans_submitted: int = 0  # filled in from the copies in flight when a snapshot is taken
     plans_failed: int = 0
     plans_cancelled: int = 0
-    tokens_recomputed: int = 0
-    tokens_lost_on_resume: int = 0
     gpu_query_tokens: int = 0
     gpu_hit_tokens: int = 0
     cpu_query_tokens: int = 0
     cpu_hit_tokens: int = 0
+
+    def count_lookup(self, num_tokens: int, gpu_hits: int, cpu_hits: int, has_cpu_tier: bool) -> None:
+        self.gpu_query_tokens += num_tokens
+        self.gpu_hit_tokens += gpu_hits
+        if has_cpu_tier:
+            self.cpu_query_tokens += num_tokens - gpu_hits
+            self.cpu_hit_tokens += cpu_hits
+
+    def count_copy(self, kind: PlanKind, num_blocks: int, num_bytes: int, ok: bool, cancelled: bool) -> None:
+        """A copy settled: count a failure or a cancel, or what it moved."""
+        if not ok:
+            if cancelled:
+                self.plans_cancelled += 1
+            else:
+                self.plans_failed += 1
+            return
+        name = _MOVED.get(kind)
+        if name is not None:
+            setattr(self, f"{name}_blocks", getattr(self, f"{name}_blocks") + num_blocks)
+            setattr(self, f"{name}_bytes", getattr(self, f"{name}_bytes") + num_bytes)
+
+    def copy(self) -> TierCounters:
+        return replace(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +66,16 @@ class MetricsSnapshot:
     """Counters plus the gauges of one instant."""
 
     counters: TierCounters
+    gpu_blocks: int  # usable blocks (the null block and the store's reserved slot excluded)
+    cpu_blocks: int
     gpu_usage: float
     cpu_usage: float
     gpu_free_blocks: int
     cpu_free_blocks: int
+    cpu_cached_blocks: int
+    cpu_pinned_blocks: int  # pinned by swapped requests and loads, or being written
     plans_in_flight: int
-    requests_by_state: dict[str, int] = field(default_factory=dict)
+    requests_by_residency: dict[str, int] = field(default_factory=dict)
 
     @property
     def gpu_hit_rate(self) -> float:
@@ -55,13 +90,17 @@ class MetricsSnapshot:
     def to_dict(self) -> dict[str, object]:
         d: dict[str, object] = asdict(self.counters)
         d.update(
+            gpu_blocks=self.gpu_blocks,
+            cpu_blocks=self.cpu_blocks,
             gpu_usage=self.gpu_usage,
             cpu_usage=self.cpu_usage,
             gpu_free_blocks=self.gpu_free_blocks,
             cpu_free_blocks=self.cpu_free_blocks,
+            cpu_cached_blocks=self.cpu_cached_blocks,
+            cpu_pinned_blocks=self.cpu_pinned_blocks,
             plans_in_flight=self.plans_in_flight,
             gpu_hit_rate=self.gpu_hit_rate,
             cpu_hit_rate=self.cpu_hit_rate,
-            requests_by_state=dict(self.requests_by_state),
+            requests_by_residency=dict(self.requests_by_residency),
         )
         return d

@@ -1,29 +1,33 @@
-"""Request states under the tier manager, and preemption modes."""
+"""Where a request's KV lives (the manager's fact), and the preemption modes.
+
+A request's *scheduling* status (waiting, running, preempted, ...) belongs to
+the scheduler; the manager only knows where the KV it holds for a request is,
+and whether a copy is moving it.  A request the manager holds nothing for
+(new, finished, or preempted to recompute) has no residency at all.
+"""
 
 from __future__ import annotations
 
 import enum
 
 
-class RequestState(str, enum.Enum):
-    """Where a request's KV lives.
+class Residency(str, enum.Enum):
+    """Where the KV of a request the manager holds lives.
 
-    ``RUNNING`` (GPU) -> ``SWAPPING_OUT`` -> ``SWAPPED`` (CPU) -> ``SWAPPING_IN`` -> ``RUNNING``;
-    ``RUNNING`` -> ``PREEMPTED`` (to recompute; re-admitted with ``admit``);
-    any settled state -> ``FINISHED``.  ``SWAPPING_IN`` also covers onboarding CPU
-    prefix hits of a newly admitted request.  The two ``SWAPPING_*`` states are
-    in flight: nothing may free or preempt the request until the plan settles.
+    ``GPU`` -> ``SWAPPING_OUT`` -> ``CPU`` -> ``SWAPPING_IN`` -> ``GPU``; a new
+    request with prefix hits on the CPU tier starts ``LOADING`` and becomes
+    ``GPU`` when they land.  The three moving states are in flight: the request
+    can be neither computed, preempted, resumed nor freed until its copy settles.
     """
 
-    RUNNING = "running"
+    GPU = "gpu"
+    LOADING = "loading"
     SWAPPING_OUT = "swapping_out"
-    SWAPPED = "swapped"
+    CPU = "cpu"
     SWAPPING_IN = "swapping_in"
-    PREEMPTED = "preempted"
-    FINISHED = "finished"
 
 
-IN_FLIGHT = frozenset({RequestState.SWAPPING_OUT, RequestState.SWAPPING_IN})
+IN_FLIGHT = frozenset({Residency.LOADING, Residency.SWAPPING_OUT, Residency.SWAPPING_IN})
 
 
 class PreemptMode(str, enum.Enum):

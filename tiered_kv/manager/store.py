@@ -207,6 +207,18 @@ class BlockStore(abc.ABC):
         """
 
     @abc.abstractmethod
+    def contains(self, key: Key) -> bool:
+        """Whether ``key`` is resident, ready or pending, without counting a query."""
+
+    @abc.abstractmethod
+    def is_ready(self, key: Key) -> bool:
+        """Whether ``key`` is resident and loadable, without counting a query."""
+
+    @abc.abstractmethod
+    def room_for(self, keys: Sequence[Key]) -> int:
+        """How many absent keys a ``prepare_store(keys)`` could take now, protecting every key of ``keys``."""
+
+    @abc.abstractmethod
     def prepare_load(self, keys: Sequence[Key]) -> LoadStoreSpec:
         """Pin every key (ref +1) for a copy out of the store; return their slots.
 

@@ -16,10 +16,10 @@ from typing import Any
 from tiered_kv.core.request import Request
 from tiered_kv.errors import TieredKVError
 from tiered_kv.manager.tier_manager import TierManager
+from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
 from tiered_kv.sim.config import RunSetup
 from tiered_kv.sim.events import EventLoop
 from tiered_kv.sim.link import SimCopyEngine
-from tiered_kv.sim.scheduler import Scheduler, SchedulerConfig, StepBatch
 from tiered_kv.sim.workload import SimRequest
 
 GB = 1e9
@@ -77,25 +77,26 @@ class Simulator:
         self.engine = SimCopyEngine(
             self.loop, bpb, setup.d2h_bytes_per_s, setup.h2d_bytes_per_s, setup.per_copy_overhead_s
         )
-        self.tm = TierManager(
+        tm = TierManager(
             setup.num_gpu_blocks,
             setup.num_cpu_blocks,
             setup.block_size,
             self.engine,
             cost_model=setup.cost_model,
-            policy=setup.policy,
-            mode=setup.mode,
             offload=setup.offload,
             hash_fn=setup.hash_fn,
         )
         self.records: dict[int, list[float]] = {}  # rid -> [arrival, first_token, finish, n_out]
         self.outputs = {r.rid: r.output for r in workload}
         self.scheduler = Scheduler(
-            self.tm,
-            SchedulerConfig(setup.max_num_batched_tokens, setup.max_num_seqs, setup.chunked_prefill),
-            setup.policy,
-            setup.mode,
-            on_finish=self._finished,
+            tm,
+            SchedulerConfig(
+                setup.max_num_batched_tokens,
+                setup.max_num_seqs,
+                setup.chunked_prefill,
+                policy=setup.policy,
+                mode=setup.mode,
+            ),
         )
 
     def _finished(self, req: Request) -> None:
@@ -104,17 +105,23 @@ class Simulator:
         rec[3] = req.num_output_tokens
         self.loop.log("finish", req.request_id)
 
-    def _sample(self, req: Request) -> int:
-        return self.outputs[req.request_id][req.num_output_tokens]  # type: ignore[index]
+    def _sampled(self, out: SchedulerOutput) -> dict:
+        """The workload's next output token of every request that samples one this step."""
+        outputs = self.outputs
+        return {
+            r.request_id: outputs[r.request_id][r.num_output_tokens]  # type: ignore[index]
+            for r, n in out.scheduled
+            if r.num_computed_tokens + n == r.num_tokens
+        }
 
     def run(self) -> dict[str, Any]:
-        loop, tm, sched = self.loop, self.tm, self.scheduler
+        loop, sched = self.loop, self.scheduler
         for r in self.workload:
             loop.schedule(r.arrival, "arrival", r)
         total = len(self.workload)
         finished = 0
         busy: list[tuple[float, float]] = []
-        usage: list[tuple[float, float, float]] = []
+        usage: list[tuple[float, float, float, float]] = []
         steps = 0
         tokens_computed = 0
         recompute_s = 0.0
@@ -129,43 +136,46 @@ class Simulator:
                 else:
                     SimCopyEngine.finish(payload)
                     loop.log("transfer_done", payload.plan.plan_id, t_event)
-            sched.poll()
             if finished == total:
-                nt = loop.peek_time()  # drain copies still in flight (write-through offloads)
+                sched.settle()  # settle copies still in flight (stores to the CPU tier)
+                nt = loop.peek_time()
                 if nt is None:
                     break
                 loop.now = max(loop.now, nt)
                 continue
-            batch = sched.schedule()
-            self._log_batch(batch)
-            if batch.num_tokens:
+            out = sched.schedule()
+            self._log_batch(out)
+            if out.num_tokens:
                 attn = 0.0
                 kv = 0
-                for req, n in batch.items:
+                for req, n in out.scheduled:
                     c = req.num_computed_tokens
                     attn += (c + n) * (c + n) - c * c
                     kv += c + n
-                dt = self.setup.compute.step_time(batch.num_tokens, attn, kv, len(batch.items))
-                if sched.count_recomputed(batch):
-                    recompute_s += dt * batch.recomputed_tokens / batch.num_tokens
+                dt = self.setup.compute.step_time(out.num_tokens, attn, kv, len(out.scheduled))
+                if out.recomputed_tokens:
+                    recompute_s += dt * out.recomputed_tokens / out.num_tokens
                 start = loop.now
                 loop.now = start + dt
                 busy.append((start, loop.now))
                 steps += 1
-                tokens_computed += batch.num_tokens
-                for req in sched.update(batch, self._sample):
-                    rec = self.records[req.request_id]  # type: ignore[index]
-                    if rec[1] < 0:
-                        rec[1] = loop.now
+                tokens_computed += out.num_tokens
+                for req, n in out.scheduled:
+                    if req.num_computed_tokens + n == req.num_tokens:
+                        rec = self.records[req.request_id]  # type: ignore[index]
+                        if rec[1] < 0:
+                            rec[1] = loop.now
+                for req in sched.update(out, self._sampled(out)):
+                    self._finished(req)
                 finished = len(self.records) - sched.num_unfinished
-                cpu = tm.cpu_pool
+                m = sched.metrics()
                 usage.append(
                     (
                         loop.now,
-                        tm.gpu_pool.get_usage(),
-                        cpu.get_usage() if cpu else 0.0,
+                        m.gpu_usage,
+                        m.cpu_usage,
                         # distinct prefixes cached on the CPU (held or free), as a fraction of the tier
-                        len(cpu.cached_block_hash_to_block) / (cpu.num_blocks - 1) if cpu else 0.0,
+                        m.cpu_cached_blocks / m.cpu_blocks if m.cpu_blocks else 0.0,
                     )
                 )
             else:
@@ -184,20 +194,19 @@ class Simulator:
             self.progress(finished, total, loop.now)
         return self._results(busy, usage, steps, tokens_computed, recompute_s)
 
-    def _log_batch(self, batch: StepBatch) -> None:
+    def _log_batch(self, out: SchedulerOutput) -> None:
         if self.loop.trace is None:
             return
-        for rid, mode in batch.preempted:
+        for rid, mode in out.preempted:
             self.loop.log(f"preempt_{mode.value}", rid)
-        for rid in batch.resumed:
+        for rid in out.resumed:
             self.loop.log("resume", rid)
-        for rid in batch.admitted:
+        for rid in out.admitted:
             self.loop.log("admit", rid)
-        if batch.items:
-            self.loop.log("step", tuple((req.request_id, n) for req, n in batch.items))
+        if out.scheduled:
+            self.loop.log("step", tuple((req.request_id, n) for req, n in out.scheduled))
 
     def _results(self, busy, usage, steps: int, tokens_computed: int, recompute_s: float) -> dict[str, Any]:
-        tm = self.tm
         recs = self.records
         makespan = max((r[2] for r in recs.values()), default=0.0)
         ttft = [r[1] - r[0] for r in recs.values()]
@@ -205,7 +214,7 @@ class Simulator:
         tpot = [(r[2] - r[1]) / (r[3] - 1) for r in recs.values() if r[3] > 1]
         n_out = sum(int(r[3]) for r in recs.values())
         requested = sum(len(o) for o in self.outputs.values())
-        m = tm.metrics()
+        m = self.scheduler.metrics()
         c = m.counters
         intervals = self.engine.intervals
         transfer_s = sum(e - s for s, e, _, _ in intervals)
@@ -239,7 +248,7 @@ class Simulator:
             "gb_swapped_in": c.swap_in_bytes / GB,
             "gb_offloaded": c.offload_bytes / GB,
             "gb_onboarded": c.onboard_bytes / GB,
-            "tokens_recomputed": c.tokens_recomputed,
+            "tokens_recomputed": self.scheduler.tokens_recomputed,
             "recompute_s": recompute_s,
             "gpu_prefix_hit_rate": m.gpu_hit_rate,
             "cpu_prefix_hit_rate": m.cpu_hit_rate,
@@ -248,8 +257,8 @@ class Simulator:
             "transfer_exposed_s": transfer_s - hidden,
             "plans_failed": c.plans_failed,
             "blocks_held_at_end": {
-                "gpu": tm.gpu_pool.num_blocks - 1 - tm.gpu_pool.get_num_free_blocks(),
-                "cpu": (tm.cpu_pool.num_blocks - 1 - tm.cpu_pool.get_num_free_blocks()) if tm.cpu_pool else 0,
+                "gpu": m.gpu_blocks - m.gpu_free_blocks,
+                "cpu": m.cpu_pinned_blocks,
             },
             # [time, GPU usage, CPU usage (held), CPU prefix-cache fill]
             "usage": [[round(x, 6) for x in u] for u in usage[::stride]],

@@ -1,0 +1,119 @@
+"""The CPU store as a prefix cache: stores of cached GPU blocks, and loads of prefix hits.
+
+* **Write-through**: a request's full prompt blocks are stored once computed.
+* **On-evict**: the cached blocks nearest eviction (the front of the GPU free
+  queue) are stored before an allocation can take them.  Each is held while
+  copied, so no allocation can hand it out mid-copy, and is given back in
+  place, so holding it does not change the eviction order.
+* **Onboarding**: a new request's prefix found on the CPU is loaded into fresh
+  GPU blocks; the request runs once the load lands.
+
+A store copy holds the GPU blocks it reads; a load pins the store blocks it
+reads.  Either way nothing a copy touches changes hands until it settles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiered_kv.core.block import KVCacheBlock
+from tiered_kv.core.kv_cache_manager import KVCacheManager
+from tiered_kv.core.request import Request
+from tiered_kv.manager.store import BlockStore, Key
+from tiered_kv.manager.transfers import Transfer, Transfers
+from tiered_kv.transfer.plan import CPU, GPU, PlanKind
+
+
+@dataclass(slots=True)
+class _Store:
+    keys: list[Key]
+
+
+@dataclass(slots=True)
+class _Load:
+    keys: list[Key]
+    upto_tokens: int  # the request's KV is whole up to here once the load lands
+
+
+class Offloader:
+    """Stores of GPU blocks to the store, and loads of prefix hits from it."""
+
+    def __init__(self, gpu: KVCacheManager, store: BlockStore, transfers: Transfers) -> None:
+        self.gpu = gpu
+        self.store = store
+        self.transfers = transfers
+        self.refused = 0  # stores the store had no room for
+
+    def _store(self, blocks: list[KVCacheBlock], keys: list[Key], rid: object, in_place: bool) -> Transfer | None:
+        prep = self.store.prepare_store(keys)
+        if prep is None:
+            self.refused += 1
+            return None
+        if not prep.keys_to_store:
+            return None
+        by_key = dict(zip(keys, blocks, strict=True))
+        src = [by_key[k] for k in prep.keys_to_store]
+        ids = [b.block_id for b in src]
+        plan = self.transfers.plan(GPU, CPU, ids, prep.store_spec.block_ids, PlanKind.OFFLOAD, rid)
+        return self.transfers.start(plan, gpu_holds=src, in_place=in_place, payload=_Store(list(prep.keys_to_store)))
+
+    def write_through(self, request: Request, start: int, end: int) -> Transfer | None:
+        """Store full blocks ``[start, end)`` of a running request (their KV is final and written)."""
+        if len(request.block_hashes) < end:
+            self.gpu.hasher.update(request)
+        table = self.gpu.get_blocks(request.request_id)
+        return self._store(list(table[start:end]), list(request.block_hashes[start:end]), request.request_id, False)
+
+    def save_window(self, window: int) -> Transfer | None:
+        """Store the cached blocks among the first ``window`` of the GPU free queue that the store lacks.
+
+        Stores take the store's least valuable blocks; never those holding the
+        window's own blocks, or the next top-up would store them again and the
+        two would chase each other forever.  So every key of the window is
+        protected, and only as many new ones are stored as fit without them.
+        """
+        store = self.store
+        blocks: list[KVCacheBlock] = []
+        keys: list[Key] = []
+        seen: set[Key] = set()
+        for b in self.gpu.block_pool.peek_free_blocks(window):
+            h = b.block_hash
+            if h is not None and h not in seen:
+                seen.add(h)
+                blocks.append(b)
+                keys.append(h)
+        absent = [i for i, k in enumerate(keys) if not store.contains(k)]
+        if not absent:
+            return None
+        room = store.room_for(keys)
+        take = set(absent[:room])
+        if not take:
+            return None
+        # Present keys ride along only to be protected; prepare_store skips them.
+        order = [i for i in range(len(keys)) if i in take or i not in absent]
+        return self._store([blocks[i] for i in order], [keys[i] for i in order], None, True)
+
+    def start_load(self, request: Request, keys: list[Key], dst: list[KVCacheBlock], upto_tokens: int) -> Transfer:
+        """Pin prefix hits in the store and copy them into ``dst``, the request's fresh GPU blocks."""
+        spec = self.store.prepare_load(keys)
+        self.store.touch(keys)
+        plan = self.transfers.plan(
+            CPU, GPU, spec.block_ids, [b.block_id for b in dst], PlanKind.ONBOARD, request.request_id, True
+        )
+        return self.transfers.start(plan, payload=_Load(list(keys), upto_tokens))
+
+    def settle_load(self, request: Request, t: Transfer) -> int:
+        """Unpin; on success cache the loaded blocks and return the tokens loaded, else free the table and return 0."""
+        job: _Load = t.payload  # type: ignore[assignment]
+        self.store.complete_load(job.keys)
+        if not t.ok:
+            self.gpu.free(request)  # the fresh blocks were never cached: nobody can have read them
+            return 0
+        self.gpu.cache_blocks(request, job.upto_tokens)
+        return len(job.keys) * self.gpu.block_size
+
+    def settle_store(self, t: Transfer) -> None:
+        """Commit or drop a finished store, then give back the GPU blocks it held."""
+        job: _Store = t.payload  # type: ignore[assignment]
+        self.store.complete_store(job.keys, t.ok)
+        self.transfers.release(t)

@@ -1,0 +1,143 @@
+"""The one place that prices a preemption: a :class:`Quote` per request.
+
+Victim policies rank by it, ``TierManager.preempt`` chooses a mode from it and
+the scheduler reads it; nobody else computes a swap or recompute cost.  Sizes
+come from the KV spec of the storage in use, so a cost model built for another
+model's KV shape cannot slip in (the manager refuses it at construction).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.states import PreemptMode
+
+
+@dataclass(frozen=True, slots=True)
+class Quote:
+    """What preempting one running request would cost, and free.
+
+    Attributes:
+        request_id: The request.
+        num_tokens: Computed tokens whose KV is at stake.
+        num_gpu_blocks: Blocks in its GPU table.
+        blocks_freed: GPU blocks preemption releases (those it alone holds);
+            a swap frees them when its copy completes, a recompute at once.
+        blocks_to_move: Blocks a swap-out copies: the KV blocks the CPU tier
+            does not have yet (full blocks are found there by hash).
+        bytes_to_move: Their bytes, from the KV spec.
+        num_runs: Runs of consecutive GPU block ids among them (one copy each).
+        swap_out_s: Estimated time to copy the blocks to move out.
+        swap_in_s: Estimated time to copy back what the GPU gives up (the
+            blocks freed; shared blocks stay cached on the GPU).
+        recompute_s: Estimated time to rebuild the KV by prefill.
+        cpu_blocks_needed: CPU blocks a swap-out would take.
+        cpu_has_room: Whether the CPU tier can take them now (it may evict
+            unpinned cached blocks to do so).
+        has_cpu_tier: False when there is no tier to swap to at all.
+    """
+
+    request_id: Hashable
+    num_tokens: int
+    num_gpu_blocks: int
+    blocks_freed: int
+    blocks_to_move: int
+    bytes_to_move: int
+    num_runs: int
+    swap_out_s: float
+    swap_in_s: float
+    recompute_s: float
+    cpu_blocks_needed: int
+    cpu_has_room: bool
+    has_cpu_tier: bool = True
+
+    @property
+    def swap_s(self) -> float:
+        """Time lost by swapping: out now, back in later (both on the request's critical path)."""
+        return self.swap_out_s + self.swap_in_s
+
+    @property
+    def can_swap(self) -> bool:
+        return self.has_cpu_tier and self.cpu_has_room
+
+    def choose(self, mode: str) -> tuple[PreemptMode | None, str]:
+        """The mode to preempt with under the caller's instruction, and why, in words.
+
+        ``"auto"`` takes the cheaper mode; when swapping would be cheaper but
+        is impossible, it recomputes and says so.  ``"swap"`` answers ``None``
+        when a swap is impossible: forcing it cannot switch silently.
+        """
+        swap_ms, rec_ms = self.swap_s * 1e3, self.recompute_s * 1e3
+        costs = (
+            f"swap {swap_ms:.3g} ms ({self.blocks_to_move} blocks out), "
+            f"recompute {rec_ms:.3g} ms ({self.num_tokens} tokens)"
+        )
+        why_not = (
+            "there is no CPU tier"
+            if not self.has_cpu_tier
+            else f"the CPU tier has no room for {self.cpu_blocks_needed} blocks"
+        )
+        if mode == "recompute":
+            return PreemptMode.RECOMPUTE, f"recompute requested; {costs}"
+        if mode == "swap":
+            if self.can_swap:
+                return PreemptMode.SWAP, f"swap requested; {costs}"
+            return None, f"swap requested but {why_not}"
+        if not self.can_swap:
+            cheaper = " although swapping would be cheaper" if self.swap_s < self.recompute_s else ""
+            return PreemptMode.RECOMPUTE, f"recompute: {why_not}{cheaper}; {costs}"
+        if self.swap_s < self.recompute_s:
+            return PreemptMode.SWAP, f"swap is cheaper: {costs}"
+        return PreemptMode.RECOMPUTE, f"recompute is no dearer: {costs}"
+
+    def cost(self, mode: str) -> float:
+        """Seconds lost under ``mode`` (inf when that mode is impossible)."""
+        chosen, _ = self.choose(mode)
+        if chosen is None:
+            return float("inf")
+        return self.swap_s if chosen is PreemptMode.SWAP else self.recompute_s
+
+
+def count_runs(block_ids: list[int]) -> int:
+    """Runs of consecutive ids: the copies a coalescing engine issues for these blocks."""
+    runs = 0
+    prev = -2
+    for i in block_ids:
+        if i != prev + 1:
+            runs += 1
+        prev = i
+    return runs
+
+
+def price(
+    cost_model: CostModel,
+    request_id: Hashable,
+    num_tokens: int,
+    num_gpu_blocks: int,
+    freed_block_ids: list[int],
+    moved_block_ids: list[int],
+    cpu_blocks_needed: int,
+    cpu_has_room: bool,
+    has_cpu_tier: bool,
+) -> Quote:
+    """Build a quote from the facts the manager gathered (see ``TierManager.quote``)."""
+    n = len(moved_block_ids)
+    runs = count_runs(moved_block_ids)
+    freed = len(freed_block_ids)
+    return Quote(
+        request_id=request_id,
+        num_tokens=num_tokens,
+        num_gpu_blocks=num_gpu_blocks,
+        blocks_freed=freed,
+        blocks_to_move=n,
+        bytes_to_move=n * cost_model.bytes_per_block,
+        num_runs=runs,
+        swap_out_s=cost_model.swap_out_time(n, runs),
+        swap_in_s=cost_model.swap_in_time(freed, count_runs(freed_block_ids)),
+        recompute_s=cost_model.recompute_time(num_tokens),
+        cpu_blocks_needed=cpu_blocks_needed,
+        cpu_has_room=cpu_has_room,
+        has_cpu_tier=has_cpu_tier,
+    )

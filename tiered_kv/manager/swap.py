@@ -1,0 +1,201 @@
+"""Swapping a request's KV to the CPU store and back.
+
+A swap-out stores the request's full blocks under their hashes (blocks the
+store already has are not copied again) and its partial tail under a key of its
+own, then pins every one of them, so nothing of a swapped request can be
+evicted: a resume always finds its whole KV, on the GPU (still cached there by
+hash) or on the CPU.  A resume is a prefix lookup on the GPU followed by a load
+of the rest.  Both directions hold their source until the copy has landed:
+the GPU blocks stay in the request's table until the swap-out completes, and
+the CPU blocks stay pinned until the swap-in completes, so a failed or
+cancelled copy leaves the request whole where it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from tiered_kv.core.block import KVCacheBlock
+from tiered_kv.core.kv_cache_manager import KVCacheManager
+from tiered_kv.core.request import Request
+from tiered_kv.manager.store import BlockStore, Key, LoadStoreSpec
+from tiered_kv.manager.transfers import Transfer, Transfers
+from tiered_kv.transfer.plan import CPU, GPU, PlanKind
+
+
+@dataclass(frozen=True, slots=True)
+class PrivateKey:
+    """The store key of a block that only one request can use: its partial tail, or any block with caching off."""
+
+    request_id: Hashable
+    generation: int
+    index: int
+
+
+@dataclass(slots=True)
+class SwappedKV:
+    """A swapped request's KV on the CPU: its keys in block order, all pinned, and their slots."""
+
+    keys: list[Key]
+    spec: LoadStoreSpec
+    num_tokens: int
+    private: list[Key] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Out:
+    request: Request
+    keys: list[Key]  # every KV block's key, in block order
+    stored: list[Key]  # the keys this copy writes
+    pinned: list[Key]  # keys already ready in the store, pinned at the start
+    private: list[Key]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class _In:
+    swapped: SwappedKV
+    num_hits: int  # leading blocks found cached on the GPU (not copied)
+
+
+class Swapper:
+    """Plans and settles swaps between one GPU manager and one store."""
+
+    def __init__(self, gpu: KVCacheManager, store: BlockStore, transfers: Transfers, caching: bool) -> None:
+        self.gpu = gpu
+        self.store = store
+        self.transfers = transfers
+        self.caching = caching
+        self._generation = 0
+
+    # --------------------------------------------------------------- keys
+    def kv_keys(self, request: Request, num_tokens: int, fresh: bool = False) -> tuple[list[Key], list[Key]]:
+        """Keys of the request's first ``num_tokens`` tokens of KV, in block order, and which are private.
+
+        ``fresh``: private keys of a new generation (a new swap); otherwise the
+        current generation's (a quote peeking at what a swap would store).
+        """
+        bs = self.gpu.block_size
+        full = num_tokens // bs
+        if fresh:
+            self._generation += 1
+        gen = self._generation
+        rid = request.request_id
+        if self.caching:
+            if len(request.block_hashes) < full:
+                self.gpu.hasher.update(request)
+            keys: list[Key] = list(request.block_hashes[:full])
+            private: list[Key] = []
+        else:
+            private = [PrivateKey(rid, gen, i) for i in range(full)]
+            keys = list(private)
+        if num_tokens % bs:
+            tail = PrivateKey(rid, gen, full)
+            keys.append(tail)
+            private.append(tail)
+        return keys, private
+
+    # ----------------------------------------------------------- swap-out
+    def start_out(self, request: Request, num_tokens: int) -> Transfer | SwappedKV | None:
+        """Reserve store slots and start the GPU->CPU copy.
+
+        Returns the transfer; or, when the store already holds every block
+        ready, the swapped copy itself (pinned, the GPU table freed: nothing to
+        copy); or ``None`` (nothing changed) when the store has no room.
+        """
+        keys, private = self.kv_keys(request, num_tokens, fresh=True)
+        store = self.store
+        ready = [k for k in keys if store.contains(k) and store.is_ready(k)]
+        if len(ready) == len(keys):
+            spec = store.prepare_load(keys)
+            self.gpu.free(request)
+            return SwappedKV(keys, spec, num_tokens, [])
+        prep = store.prepare_store(keys)
+        if prep is None:
+            return None
+        if ready:
+            store.prepare_load(ready)  # already on the CPU: pinned now, so no store can evict them meanwhile
+        table = self.gpu.get_blocks(request.request_id)
+        index = {k: i for i, k in enumerate(keys)}
+        src = [table[index[k]].block_id for k in prep.keys_to_store]
+        plan = self.transfers.plan(GPU, CPU, src, prep.store_spec.block_ids, PlanKind.SWAP_OUT, request.request_id)
+        job = _Out(request, keys, list(prep.keys_to_store), ready, private, num_tokens)
+        return self.transfers.start(plan, payload=job)
+
+    def settle_out(self, t: Transfer) -> SwappedKV | None:
+        """Commit a finished swap-out (pin every key, free the GPU table), or roll it back; ``None`` if rolled back.
+
+        A block the store already had "pending" at the start (another copy
+        writing it) must be ready by now; if that copy failed, the request's
+        KV is not whole on the CPU, so this swap-out fails too and the request
+        stays on the GPU, where its blocks never left.
+        """
+        job: _Out = t.payload  # type: ignore[assignment]
+        store = self.store
+        store.complete_store(job.stored, t.ok)
+        whole = t.ok and all(store.contains(k) and store.is_ready(k) for k in job.keys)
+        if job.pinned:
+            store.complete_load(job.pinned)
+        if not whole:
+            if t.ok:  # our copy landed but a block we relied on did not: our private blocks are useless
+                store.remove([k for k in job.private if store.contains(k) and store.is_ready(k)])
+            return None
+        spec = store.prepare_load(job.keys)
+        self.gpu.free(job.request)
+        return SwappedKV(job.keys, spec, job.num_tokens, job.private)
+
+    # ------------------------------------------------------------ swap-in
+    def gpu_hits(self, request: Request, swapped: SwappedKV) -> list[KVCacheBlock]:
+        """Leading blocks of a swapped request still cached on the GPU (they need no copy)."""
+        if not self.caching:
+            return []
+        pool = self.gpu.block_pool
+        hits: list[KVCacheBlock] = []
+        for k in swapped.keys:
+            if k.__class__ is PrivateKey:
+                break
+            b = pool.get_cached_block(k)  # type: ignore[arg-type]
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def start_in(self, request: Request, swapped: SwappedKV) -> Transfer | list[KVCacheBlock] | None:
+        """Give the request a GPU table and start the CPU->GPU copy of what is not cached there.
+
+        Returns the transfer, the GPU hits alone when every block was still
+        cached (nothing to copy: the request is whole again at once), or
+        ``None`` (nothing changed) when the GPU blocks do not fit.
+        """
+        hits = self.gpu_hits(request, swapped)
+        new = self.gpu.restore(request, hits, swapped.num_tokens)
+        if new is None:
+            return None
+        n = len(hits)
+        if not new:
+            return hits
+        plan = self.transfers.plan(
+            CPU, GPU, swapped.spec.block_ids[n:], [b.block_id for b in new], PlanKind.SWAP_IN, request.request_id, True
+        )
+        return self.transfers.start(plan, payload=_In(swapped, n))
+
+    def finish_in(self, request: Request, swapped: SwappedKV) -> None:
+        """The KV is whole on the GPU: cache the restored blocks; unpin the CPU copy and drop its private part."""
+        self.gpu.cache_blocks(request, swapped.num_tokens)
+        self.release(swapped)
+
+    def settle_in(self, request: Request, t: Transfer) -> bool:
+        """Commit a finished swap-in, or roll it back (the CPU copy stays pinned); True if committed."""
+        job: _In = t.payload  # type: ignore[assignment]
+        if t.ok:
+            self.finish_in(request, job.swapped)
+            return True
+        self.gpu.free(request)  # the fresh blocks were never cached: nobody can have read them
+        return False
+
+    def release(self, swapped: SwappedKV) -> None:
+        """Unpin a swapped copy (it stays cached, shareable by hash) and drop its private blocks."""
+        self.store.complete_load(swapped.keys)
+        if swapped.private:
+            self.store.remove(swapped.private)

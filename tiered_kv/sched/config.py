@@ -1,0 +1,41 @@
+"""Scheduler limits and choices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tiered_kv import checks
+from tiered_kv.manager.policies import POLICIES
+from tiered_kv.manager.states import MODES
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits and choices of one scheduler.
+
+    Attributes:
+        max_num_batched_tokens: Token budget of one step.
+        max_num_seqs: Requests admitted at once (running, loading or swapping in).
+        chunked_prefill: Split prompts longer than the budget across steps.
+        policy: Victim policy name (see :mod:`tiered_kv.manager.policies`).
+        mode: Preemption mode: ``"swap"``, ``"recompute"`` or ``"auto"`` (per
+            victim, from its quote).
+        scheduling: ``"fcfs"`` (serve and keep in arrival order; preempt the
+            last of the running queue) or ``"priority"`` (serve the lowest
+            ``(priority, arrival_time)`` first; preempt the highest), as vLLM v1.
+    """
+
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    chunked_prefill: bool = True
+    policy: str = "lru"
+    mode: str = "auto"
+    scheduling: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        checks.count("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        checks.count("max_num_seqs", self.max_num_seqs, 1)
+        checks.flag("chunked_prefill", self.chunked_prefill)
+        checks.choice("policy", self.policy, POLICIES)
+        checks.choice("mode", self.mode, MODES)
+        checks.choice("scheduling", self.scheduling, ("fcfs", "priority"))

@@ -1,0 +1,34 @@
+"""What one scheduling step decided."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from tiered_kv.core.request import Request
+from tiered_kv.manager.states import PreemptMode
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's batch and what happened around it.
+
+    Attributes:
+        scheduled: ``(request, num_new_tokens)`` to compute this step, in order.
+            Their KV is on the GPU and no copy writes it.
+        num_tokens: Sum of ``num_new_tokens``.
+        recomputed_tokens: Tokens of the batch computed before and computed
+            again because their KV was dropped by a recompute preemption.
+        preempted / resumed / admitted: Request ids, in the order it happened.
+    """
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    num_tokens: int = 0
+    recomputed_tokens: int = 0
+    preempted: list[tuple[Hashable, PreemptMode]] = field(default_factory=list)
+    resumed: list[Hashable] = field(default_factory=list)
+    admitted: list[Hashable] = field(default_factory=list)
+
+    def needs_sample(self, request: Request, num_new_tokens: int) -> bool:
+        """Whether computing these tokens reaches the end of the request's known tokens (a token is sampled)."""
+        return request.num_computed_tokens + num_new_tokens == request.num_tokens

@@ -1,0 +1,382 @@
+"""A continuous-batching scheduler in the manner of vLLM v1, over the TierManager.
+
+It alone owns the queues, each request's status, its progress
+(``num_computed_tokens``), the token budget and the preemption loop.  It asks
+the manager for outcomes (an admission, a preemption, a completed copy) and
+applies them; the simulator and the real engine both drive it, and neither
+reaches past it.
+
+Each step (:meth:`Scheduler.schedule`), under a token budget and a cap on
+admitted requests:
+
+1. Completed copies are applied: a swap-out that landed makes its request
+   SWAPPED, a swap-in or an onboarding makes it RUNNING with the progress the
+   completion reports, a failed copy puts the request back where its KV is.
+2. Running requests, in queue order: the rest of a (chunked) prefill, or one
+   decode token.  When a request does not fit, blocks that copies in flight
+   will free are counted first (waiting beats preempting); then victims are
+   chosen by the policy among running requests not yet scheduled this step and
+   preempted through the manager, each by the mode its quote chooses.  If no
+   choice frees enough, the request preempts itself, as in vLLM.
+3. Swapped requests resume, oldest first, unless this step preempted.
+4. Waiting requests are admitted (FCFS, or by priority), unless requests are
+   swapped out or this step preempted.
+
+:meth:`Scheduler.update` then applies the computed step: it advances progress
+and appends the sampled token of every request that reached the end of its
+known tokens (the decode rule: the last sampled token is not computed yet; the
+next step computes it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Mapping
+
+from tiered_kv import checks
+from tiered_kv.core.request import Request
+from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
+from tiered_kv.manager.metrics import MetricsSnapshot
+from tiered_kv.manager.outcomes import Completion, Preemption
+from tiered_kv.manager.policies import Candidate, get_policy, select_victims
+from tiered_kv.manager.states import PreemptMode, Residency
+from tiered_kv.manager.tier_manager import TierManager
+from tiered_kv.sched.config import SchedulerConfig
+from tiered_kv.sched.output import SchedulerOutput
+from tiered_kv.sched.status import MOVING, RequestStatus
+from tiered_kv.transfer.plan import PlanKind
+
+S = RequestStatus
+
+
+class Scheduler:
+    """Continuous batching with preemption by swap or recompute.
+
+    Args:
+        tm: The tier manager (owns where KV lives).
+        config: Budget, limits, victim policy, preemption mode, scheduling order.
+    """
+
+    def __init__(self, tm: TierManager, config: SchedulerConfig | None = None) -> None:
+        self.tm = tm
+        self.config = config or SchedulerConfig()
+        self.policy = get_policy(self.config.policy, tm.cost_model)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[Hashable, Request] = {}
+        self.status: dict[Hashable, RequestStatus] = {}
+        self._high_water: dict[Hashable, int] = {}  # most tokens ever computed per request
+        self._aborting: set[Hashable] = set()
+        self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
+        self.copy_seconds = 0.0  # engine-reported time of every copy that landed
+        self.copies_landed = 0
+
+    # --------------------------------------------------------------- intake
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (no computed tokens)."""
+        checks.instance("request", request, Request)
+        rid = request.request_id
+        if rid in self.requests:
+            raise InvalidArgumentError(f"request {rid!r} was already added")
+        if request.num_computed_tokens != 0 or request.is_finished:
+            raise InvalidArgumentError(f"request {rid!r} must be new: no computed tokens, not finished")
+        self.requests[rid] = request
+        self.status[rid] = S.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request_id: Hashable) -> None:
+        """Drop a request wherever it is; a request whose KV is moving is dropped when its copy settles."""
+        req = self._request(request_id)
+        if self.status[request_id] in MOVING and not self.tm.cancel(request_id):
+            self._aborting.add(request_id)
+            return
+        self._apply(self.tm.poll())
+        if request_id in self.requests:
+            self._finish(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def _request(self, request_id: Hashable) -> Request:
+        try:
+            return self.requests[request_id]
+        except (KeyError, TypeError):
+            raise UnknownRequestError(f"request {request_id!r} is not scheduled here") from None
+
+    # ---------------------------------------------------- what drivers read
+    def gpu_block_ids(self, request_id: Hashable) -> list[int]:
+        """The block table a running request computes with."""
+        self._request(request_id)
+        return self.tm.gpu_block_ids(request_id)
+
+    def copies_in_flight(self) -> bool:
+        return bool(self.tm.plans_in_flight())
+
+    def wait_for_copies(self, timeout: float | None = None) -> bool:
+        """Block until some copy lands (real engines, when nothing else can run)."""
+        return self.tm.wait(timeout)
+
+    def settle(self) -> None:
+        """Apply the copies that landed, without scheduling (``schedule`` does this first anyway)."""
+        self._apply(self.tm.poll())
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait for every copy in flight and apply it (at the end of a run).
+
+        Saves before eviction top themselves up at every poll, but only until
+        the eviction window is stored or the CPU has no room, so this ends.
+        """
+        for _ in range(1_000_000):
+            self._apply(self.tm.poll())
+            if not self.tm.plans_in_flight():
+                return
+            self.tm.wait(timeout)
+        raise AssertionError("copies kept coming while draining")  # pragma: no cover
+
+    def metrics(self) -> MetricsSnapshot:
+        """The manager's counters and gauges."""
+        return self.tm.metrics()
+
+    # ---------------------------------------------------------- completions
+    def _apply(self, done: list[Completion]) -> None:
+        for c in done:
+            if c.ok:
+                self.copy_seconds += c.elapsed_s
+                self.copies_landed += 1
+            if c.kind is PlanKind.OFFLOAD or c.request_id not in self.requests:
+                continue
+            req = self.requests[c.request_id]
+            rid = req.request_id
+            if c.kind is PlanKind.SWAP_OUT:
+                self.status[rid] = S.SWAPPED if c.ok else S.RUNNING
+                if not c.ok:
+                    self.swapped.remove(req)
+                    self.running.append(req)
+            elif c.kind is PlanKind.SWAP_IN:
+                if c.ok:
+                    req.num_computed_tokens = c.num_tokens
+                    self.status[rid] = S.RUNNING
+                    self.running.append(req)
+                else:
+                    self.status[rid] = S.SWAPPED
+                    self.swapped.appendleft(req)
+            elif c.ok:  # onboarding landed: the loaded prefix counts as computed
+                req.num_computed_tokens += c.num_tokens
+                self.status[rid] = S.RUNNING
+                self.running.append(req)
+            else:  # onboarding failed: the manager holds nothing; recompute from scratch
+                req.num_computed_tokens = 0
+                self.status[rid] = S.WAITING
+                self.waiting.appendleft(req)
+            if rid in self._aborting:
+                self._aborting.discard(rid)
+                self._finish(req)
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch (see the module docstring for the order of things)."""
+        self._apply(self.tm.poll())
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        promised = self.tm.blocks_freed_on_completion()
+        scheduled: set[Hashable] = set()
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if self.status[req.request_id] is not S.RUNNING:
+                continue  # preempted earlier in this step
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                if not self.config.chunked_prefill:
+                    continue
+                n = budget
+            fits, promised = self._make_room(req, n, scheduled, promised, out)
+            if fits:
+                self._add(out, req, n)
+                scheduled.add(req.request_id)
+                budget -= n
+        if not out.preempted:
+            self._resume(out)
+        if not self.swapped and not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        out.scheduled.append((req, n))
+        out.num_tokens += n
+        mark = self._high_water.get(req.request_id, 0)
+        c = req.num_computed_tokens
+        if mark > c:
+            out.recomputed_tokens += min(c + n, mark) - c
+
+    def _make_room(
+        self, req: Request, n: int, scheduled: set[Hashable], promised: int, out: SchedulerOutput
+    ) -> tuple[bool, int]:
+        """Allocate ``n`` tokens for ``req``, preempting others if needed; (fits, promised blocks left)."""
+        tm, rid = self.tm, req.request_id
+        for _ in range(len(self.running) + 1):  # each round preempts at least one victim, or ends
+            if tm.allocate(rid, n) is not None:
+                return True, promised
+            short = tm.blocks_short(rid, n)
+            if short <= promised:
+                return False, promised - short  # copies in flight will free enough: wait for them
+            victims = select_victims(
+                self.policy, self._candidates(scheduled | {rid}), short - promised, self.config.mode, tm.cpu_room()
+            )
+            if victims is None:
+                self._preempt(req, out)  # nobody else can make room: vLLM preempts the request itself
+                return False, promised
+            for v in victims:
+                promised += self._preempt(self.requests[v.request_id], out).blocks_freed_on_completion
+        raise AssertionError(f"request {rid!r}: preemption did not make room")  # pragma: no cover
+
+    def _candidates(self, exclude: set[Hashable]) -> list[Candidate]:
+        """Running requests that may be preempted, ranked by vLLM's rule (higher rank goes first)."""
+        if self.config.scheduling == "fcfs":
+            order = list(self.running)
+        else:
+            order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return [
+            Candidate(
+                r.request_id,
+                rank,
+                len(self.tm.gpu_block_ids(r.request_id)),
+                r.num_computed_tokens,
+                r.num_prompt_tokens,
+                self.tm.quote,
+            )
+            for rank, r in enumerate(order)
+            if r.request_id not in exclude and self.status[r.request_id] is S.RUNNING
+        ]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> Preemption:
+        rid = req.request_id
+        p = self.tm.preempt(rid, self.config.mode) or self.tm.preempt(rid, "auto")  # forced swap impossible
+        assert p is not None
+        self.running.remove(req)
+        req.num_preemptions += 1
+        out.preempted.append((rid, p.mode))
+        if p.mode is PreemptMode.SWAP:
+            self.status[rid] = S.SWAPPED if p.residency is Residency.CPU else S.SWAPPING_OUT
+            self.swapped.append(req)
+        else:
+            self._high_water[rid] = max(self._high_water.get(rid, 0), req.num_computed_tokens)
+            req.num_computed_tokens = 0
+            self.status[rid] = S.WAITING
+            self.waiting.appendleft(req)
+        return p
+
+    def _num_admitted(self) -> int:
+        return sum(1 for s in self.status.values() if s in (S.RUNNING, S.LOADING, S.SWAPPING_IN))
+
+    def _resume(self, out: SchedulerOutput) -> None:
+        while self.swapped and self._num_admitted() < self.config.max_num_seqs:
+            req = self.swapped[0]
+            rid = req.request_id
+            if self.status[rid] is not S.SWAPPED:
+                return  # oldest first: wait for its swap-out to land
+            res = self.tm.resume(rid)
+            if res is None:
+                return
+            self.swapped.popleft()
+            out.resumed.append(rid)
+            if res.plan is None:
+                req.num_computed_tokens = res.num_tokens
+                self.status[rid] = S.RUNNING
+                self.running.append(req)
+            else:
+                self.status[rid] = S.SWAPPING_IN
+
+    def _next_waiting(self) -> Request:
+        if self.config.scheduling == "fcfs":
+            return self.waiting[0]
+        return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and self._num_admitted() < self.config.max_num_seqs:
+            req = self._next_waiting()
+            want = req.num_tokens
+            if want > budget and not self.config.chunked_prefill:
+                return
+            res = self.tm.admit(req, min(want, budget))
+            if res is None:
+                return
+            self.waiting.remove(req)
+            rid = req.request_id
+            req.num_computed_tokens = res.num_computed_tokens
+            out.admitted.append(rid)
+            mark = self._high_water.get(rid, 0)
+            if mark:  # a recompute victim back: what its hits did not restore is computed again
+                self.tokens_recomputed += max(mark - res.num_computed_tokens - res.num_loading_tokens, 0)
+            if res.runnable:
+                self.status[rid] = S.RUNNING
+                self.running.append(req)
+                self._add(out, req, res.num_new_tokens)
+                budget -= res.num_new_tokens
+            else:
+                self.status[rid] = S.LOADING
+
+    # ---------------------------------------------------------------- update
+    def update(self, out: SchedulerOutput, sampled: Mapping[Hashable, int]) -> list[Request]:
+        """Apply a computed step: advance progress, append sampled tokens; return the requests that finished.
+
+        ``sampled`` maps the id of every request whose scheduled tokens reached
+        the end of its known tokens to the token it sampled (and no other id).
+        """
+        want = {r.request_id for r, n in out.scheduled if out.needs_sample(r, n)}
+        if set(sampled) != want:
+            raise InvalidArgumentError(
+                f"sampled tokens for {sorted(map(str, sampled))}, expected {sorted(map(str, want))}"
+            )
+        for t in sampled.values():
+            if t.__class__ is not int:
+                raise InvalidArgumentError(f"a sampled token must be an int, got {checks.describe(t)}")
+        finished: list[Request] = []
+        for req, n in out.scheduled:
+            rid = req.request_id
+            in_prompt = req.num_computed_tokens < req.num_prompt_tokens
+            req.num_computed_tokens += n
+            if req.num_computed_tokens > self._high_water.get(rid, 0):
+                self._high_water[rid] = req.num_computed_tokens
+            if in_prompt:
+                self.tm.on_tokens_computed(rid)
+            if rid in sampled:
+                req.append_output_token_ids(sampled[rid])
+                if req.is_finished:
+                    self._finish(req)
+                    finished.append(req)
+        return finished
+
+    def _finish(self, req: Request) -> None:
+        rid = req.request_id
+        if self.tm.holds(rid):
+            self.tm.free(rid)
+        for q in (self.running, self.swapped, self.waiting):
+            if req in q:
+                q.remove(req)
+        del self.requests[rid]
+        del self.status[rid]
+        self._high_water.pop(rid, None)
+
+    def check_consistency(self) -> None:
+        """Assert that queues, statuses and the manager's residencies agree (for tests)."""
+        for rid, st in self.status.items():
+            res = self.tm.residency(rid) if self.tm.holds(rid) else None
+            expect = {
+                S.WAITING: None,
+                S.LOADING: Residency.LOADING,
+                S.RUNNING: Residency.GPU,
+                S.SWAPPING_OUT: Residency.SWAPPING_OUT,
+                S.SWAPPED: Residency.CPU,
+                S.SWAPPING_IN: Residency.SWAPPING_IN,
+            }[st]
+            assert res is expect, f"{rid!r}: status {st.value} but residency {res}"
+        assert {r.request_id for r in self.running} == {k for k, s in self.status.items() if s is S.RUNNING}
+        assert {r.request_id for r in self.waiting} == {k for k, s in self.status.items() if s is S.WAITING}
+        swapping = (S.SWAPPING_OUT, S.SWAPPED)
+        assert {r.request_id for r in self.swapped} == {k for k, s in self.status.items() if s in swapping}
+        for rid, st in self.status.items():
+            if st is S.WAITING and self.requests[rid].num_computed_tokens != 0:
+                raise InvalidTransitionError(f"{rid!r} waits with computed tokens")
