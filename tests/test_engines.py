@@ -281,3 +281,23 @@ def test_plans_with_fields_of_the_wrong_type_are_refused(kwargs, message):
     args.update(kwargs)
     with pytest.raises(PlanError, match=message):
         TransferPlan(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")),
+        pytest.param("cupy", marks=pytest.mark.skipif(not HAS_CUPY, reason="needs cupy + CUDA")),
+    ],
+)
+def test_swap_out_reads_the_kv_a_still_running_kernel_writes(kind):
+    """A GPU-to-CPU copy submitted behind compute reads what compute wrote, not what was there before."""
+    t = tiers("block_contiguous")
+    t["GPU"].kv.zero_()
+    eng = make_engine(kind, t)
+    torch.cuda._sleep(200_000_000)  # keep the compute stream busy well past the submission
+    t["GPU"].kv[3].fill_(7)  # queued on the compute stream behind the sleep
+    h = eng.submit(TransferPlan(1, "GPU", "CPU", (3,), (5,), PlanKind.SWAP_OUT))
+    assert h.wait(60)
+    assert torch.all(t["CPU"].kv[5] == 7)

@@ -33,6 +33,7 @@ from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.manager.cost_model import CostModel, nnls
 from tiered_kv.sim.calibration import STEP_TERMS, Calibration, model_config_dict
 from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.transfer.factory import make_copy_engine
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
 
 
@@ -61,14 +62,7 @@ def measure_lengths(
     }
     for t in tiers.values():
         t.byte_view().zero_()
-    if device.startswith("cuda"):
-        from tiered_kv.transfer.cuda_engine import TorchCudaCopyEngine
-
-        copy = TorchCudaCopyEngine(tiers)
-    else:
-        from tiered_kv.transfer.cpu_engine import CpuCopyEngine
-
-        copy = CpuCopyEngine(tiers)
+    copy = make_copy_engine(tiers)
     model = TinyLlama(config, device)
     rng = random.Random(0)
     pid = [0]

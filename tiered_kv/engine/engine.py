@@ -24,6 +24,7 @@ from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.transfer.factory import make_copy_engine
 from tiered_kv.transfer.storage_engine import StorageEngineBase
 
 
@@ -86,16 +87,7 @@ class Engine:
             "GPU": KVStorage(spec, num_gpu_blocks, "GPU", layout, device=device),
             "CPU": KVStorage(spec, max(num_cpu_blocks, 2), "CPU", layout),
         }
-        if copy_engine is None:
-            if device.startswith("cuda"):
-                from tiered_kv.transfer.cuda_engine import TorchCudaCopyEngine
-
-                copy_engine = TorchCudaCopyEngine
-            else:
-                from tiered_kv.transfer.cpu_engine import CpuCopyEngine
-
-                copy_engine = CpuCopyEngine
-        self.copy = copy_engine(self.tiers)
+        self.copy = (copy_engine or make_copy_engine)(self.tiers)
         cm = cost_model or CostModel(
             kv_bytes_per_token=spec.bytes_per_token,
             block_size=block_size,

@@ -24,6 +24,7 @@ import torch
 
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import LAYOUTS, LLAMA3_8B, KVSpec
+from tiered_kv.transfer.factory import available_kinds, make_copy_engine
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
 
 GB = 1e9
@@ -39,17 +40,8 @@ def _best(fn: Callable[[], float], repeats: int) -> float:
 
 
 def make_engine(tiers: dict[str, KVStorage], name: str):
-    if name == "cuda":
-        from tiered_kv.transfer.cuda_engine import TorchCudaCopyEngine
-
-        return TorchCudaCopyEngine(tiers)
-    if name == "cupy":
-        from tiered_kv.transfer.cupy_engine import CupyCopyEngine
-
-        return CupyCopyEngine(tiers)
-    from tiered_kv.transfer.cpu_engine import CpuCopyEngine
-
-    return CpuCopyEngine(tiers)
+    """The engine ``name`` ("cpu", "cuda" or "cupy"); an engine this machine lacks raises, never falls back."""
+    return make_copy_engine(tiers, name)
 
 
 def id_pattern(pattern: str, n: int, pool: int, rng: random.Random) -> tuple[list[int], list[int]]:
@@ -117,14 +109,7 @@ def run_cases(
 ) -> list[dict[str, object]]:
     cuda = torch.cuda.is_available()
     if engines is None:
-        engines = ["cuda"] if cuda else ["cpu"]
-        try:
-            import cupy  # noqa: F401
-
-            if cuda:
-                engines = [*engines, "cupy"]
-        except ImportError:
-            pass
+        engines = [k for k in available_kinds() if k != "cpu"] or ["cpu"]
     rows: list[dict[str, object]] = []
     emit(
         f"{'engine':10} {'layout':16} {'tok':>4} {'pattern':12} {'dir':5} {'MiB':>6} {'GB/s':>8} "

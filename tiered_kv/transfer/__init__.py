@@ -1,12 +1,16 @@
 """Layer 1: transfer plans and copy engines.
 
-``plan``, ``coalesce``, ``engine`` and ``controlled`` are standard library only;
-the torch, CUDA and cupy engines live in their own modules and import torch.
+``plan``, ``coalesce``, ``engine``, ``controlled``, ``event_handle``,
+``plan_events``, ``availability`` and ``factory`` are standard library only; the
+torch, CUDA and cupy engines live in their own modules and import torch (the
+factory imports them only when it builds one).
 """
 
+from tiered_kv.transfer.availability import EngineUnavailableError
 from tiered_kv.transfer.coalesce import CopyRun, chunk_runs, coalesce, count_runs
 from tiered_kv.transfer.controlled import ControlledCopyEngine
 from tiered_kv.transfer.engine import CopyEngine
+from tiered_kv.transfer.factory import available_kinds, make_copy_engine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan, TransferStatus
 
 __all__ = [
@@ -15,11 +19,14 @@ __all__ = [
     "ControlledCopyEngine",
     "CopyEngine",
     "CopyRun",
+    "EngineUnavailableError",
     "PlanKind",
     "TransferHandle",
     "TransferPlan",
     "TransferStatus",
+    "available_kinds",
     "chunk_runs",
     "coalesce",
     "count_runs",
+    "make_copy_engine",
 ]

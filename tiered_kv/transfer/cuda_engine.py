@@ -5,9 +5,11 @@
   swap-in never queues behind a swap-out.
 * A device-to-host copy first waits on an event recorded on the compute stream
   at submission, so it never reads KV a kernel is still writing.
-* Every plan records an event; ``handle.done()`` polls it and ``wait()``
-  synchronises on it.  ``make_compute_wait(handle)`` orders the compute stream
-  after a swap-in on the device, with no host synchronisation.
+* Every plan records a start and an end event; its handle is an
+  :class:`~tiered_kv.transfer.event_handle.EventTransferHandle` (``done()``
+  polls the end event, ``wait(timeout)`` honours the timeout).
+  ``make_compute_wait(handle)`` orders the compute stream after a swap-in on
+  the device, with no host synchronisation.
 * ``wait_for`` plans are ordered on the device too (stream waits on their events).
 * Large plans are issued as chunks of bounded size so other streams' copies
   interleave with them on the copy engines.
@@ -22,49 +24,44 @@ from collections.abc import Mapping
 
 import torch
 
+from tiered_kv import checks
 from tiered_kv.errors import PlanError, TransferError
 from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.transfer.availability import require
+from tiered_kv.transfer.event_handle import EventTransferHandle, TorchEvents, issued_event
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
+from tiered_kv.transfer.plan_events import DEFAULT_MAX_TRACKED_PLANS, PlanEvents
 from tiered_kv.transfer.storage_engine import StorageEngineBase
 
-
-class CudaTransferHandle(TransferHandle):
-    """A handle whose completion is a CUDA event."""
-
-    def attach(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
-        self._start_ev = start
-        self._end_ev = end
-        self.status = TransferStatus.RUNNING
-
-    @property
-    def event(self) -> torch.cuda.Event:
-        return self._end_ev
-
-    def done(self) -> bool:
-        if not self._event.is_set() and self._end_ev.query():
-            self._settle()
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if not self._event.is_set():
-            self._end_ev.synchronize()
-            self._settle()
-        return self.ok
-
-    def _settle(self) -> None:
-        self._finish(TransferStatus.DONE)
-        self.elapsed_s = self._start_ev.elapsed_time(self._end_ev) / 1000.0
+TORCH_EVENTS = TorchEvents()
 
 
 class TorchCudaCopyEngine(StorageEngineBase):
-    """CUDA-stream copy engine over torch tensors (GPU tier on the device, CPU tier pinned)."""
+    """CUDA-stream copy engine over torch tensors (GPU tier on the device, CPU tier pinned).
+
+    Args:
+        tiers: The storage of each tier.
+        max_blocks_per_chunk: Chunk size (blocks).
+        record: Keep every issued copy in ``trace``.
+        max_tracked_plans: Plans whose end events are kept for ``wait_for`` and
+            duplicate-id checks before completed ones are forgotten.
+
+    Raises:
+        EngineUnavailableError: torch sees no CUDA device.
+    """
 
     fuse_strided_runs = False  # one cudaMemcpyAsync per contiguous segment, no staging
 
-    def __init__(self, tiers: Mapping[str, KVStorage], max_blocks_per_chunk: int = 64, record: bool = False) -> None:
+    def __init__(
+        self,
+        tiers: Mapping[str, KVStorage],
+        max_blocks_per_chunk: int = 64,
+        record: bool = False,
+        max_tracked_plans: int = DEFAULT_MAX_TRACKED_PLANS,
+    ) -> None:
         super().__init__(tiers, max_blocks_per_chunk, record)
-        if not torch.cuda.is_available():
-            raise TransferError("TorchCudaCopyEngine needs CUDA")
+        self._events = PlanEvents(TORCH_EVENTS, max_tracked_plans)
+        require("cuda", "TorchCudaCopyEngine")
         lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
         self.streams = {
             "h2d_urgent": torch.cuda.Stream(priority=hi),
@@ -72,16 +69,38 @@ class TorchCudaCopyEngine(StorageEngineBase):
             "d2h": torch.cuda.Stream(priority=lo),
             "local": torch.cuda.Stream(priority=lo),
         }
-        self._events: dict[int, torch.cuda.Event] = {}
+
+    @property
+    def max_tracked_plans(self) -> int:
+        """Plans whose end events are kept before completed ones are forgotten."""
+        return self._events.limit
+
+    @property
+    def tracked_plans(self) -> int:
+        """Plans whose end events the engine holds now (at most ``max_tracked_plans`` unless many are in flight)."""
+        return len(self._events)
 
     def submit(self, plan: TransferPlan, compute_stream: torch.cuda.Stream | None = None) -> TransferHandle:
+        """Issue the plan's copies on its lane's stream and return at once.
+
+        Args:
+            plan: The plan.
+            compute_stream: The stream whose kernels write the KV a GPU-to-CPU
+                plan reads (default: the current stream).
+
+        Raises:
+            PlanError: the plan is malformed or its id is still in flight.
+            InvalidArgumentError: ``compute_stream`` is not a CUDA stream.
+        """
         if not isinstance(plan, TransferPlan):
             raise PlanError(f"submit() takes a TransferPlan, got {type(plan).__name__}")
+        if compute_stream is not None:
+            checks.instance("compute_stream", compute_stream, torch.cuda.Stream)
         prep = self.prepare(plan)
-        if plan.plan_id in self._events and not self._events[plan.plan_id].query():
+        if self._events.in_flight(plan.plan_id):
             raise PlanError(f"plan {plan.plan_id} is already in flight")
         stream = self.streams[prep.lane]
-        handle = CudaTransferHandle(plan, num_bytes=prep.num_bytes)
+        handle = EventTransferHandle(plan, num_bytes=prep.num_bytes)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         try:
@@ -104,10 +123,8 @@ class TorchCudaCopyEngine(StorageEngineBase):
         except Exception as exc:
             handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
             return handle
-        handle.attach(start, end)
-        self._events[plan.plan_id] = end
-        if len(self._events) > 4096:  # forget completed plans
-            self._events = {k: e for k, e in self._events.items() if not e.query()}
+        handle.attach(TORCH_EVENTS, start, end)
+        self._events.add(plan.plan_id, end)
         return handle
 
     def cancel(self, handle: TransferHandle) -> bool:
@@ -117,5 +134,13 @@ class TorchCudaCopyEngine(StorageEngineBase):
         return False
 
     def make_compute_wait(self, handle: TransferHandle, stream: torch.cuda.Stream | None = None) -> None:
-        """Order ``stream`` (default: current) after the plan on the device; the host does not block."""
-        (stream or torch.cuda.current_stream()).wait_event(handle.event)  # type: ignore[attr-defined]
+        """Order ``stream`` (default: current) after the plan on the device; the host does not block.
+
+        Raises:
+            PlanError: ``handle`` is not an issued plan of a CUDA engine.
+            InvalidArgumentError: ``stream`` is not a CUDA stream.
+        """
+        end = issued_event(handle, "make_compute_wait")
+        if stream is not None:
+            checks.instance("stream", stream, torch.cuda.Stream)
+        (stream or torch.cuda.current_stream()).wait_event(end)

@@ -6,7 +6,14 @@
   per segment copies 16-byte words, reading or writing pinned host memory
   directly through unified virtual addressing (the CPU tier is registered
   mapped), which replaces thousands of small DMA set-ups with one launch.
-* Streams per lane and events per plan, as in the torch engine.
+* Streams per lane and events per plan, as in the torch engine, with the same
+  handle (:class:`~tiered_kv.transfer.event_handle.EventTransferHandle`) and
+  the same bounded table of plan events.
+* A device-to-host plan first makes its stream wait for an event recorded on
+  the compute stream, so it never reads KV a kernel is still writing.  The KV
+  tensors are torch's, so by default that is both cupy's current stream and
+  torch's (one wait when they are the same stream); a caller computing on
+  another stream passes it (a cupy or a torch stream).
 
 Segment byte offsets come from :func:`tiered_kv.storage.spec.segment_offsets`,
 whose agreement with the torch views is tested on the CPU.
@@ -15,12 +22,19 @@ whose agreement with the torch views is tested on the CPU.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from tiered_kv.errors import PlanError, TransferError
+import torch
+
+from tiered_kv import checks
+from tiered_kv.errors import InvalidArgumentError, PlanError, TransferError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import segment_offsets
+from tiered_kv.transfer.availability import require
 from tiered_kv.transfer.coalesce import CopyRun
+from tiered_kv.transfer.event_handle import CupyEvents, EventTransferHandle, issued_event
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
+from tiered_kv.transfer.plan_events import DEFAULT_MAX_TRACKED_PLANS, PlanEvents
 from tiered_kv.transfer.storage_engine import PreparedPlan, StorageEngineBase
 
 GATHER_SRC = r"""
@@ -59,7 +73,19 @@ def block_segments(storage: KVStorage, block_id: int) -> list[int]:
 
 
 class CupyCopyEngine(StorageEngineBase):
-    """cupy backend.  ``kernel_min_runs``: use the gather kernel for plans with at least this many runs."""
+    """cupy backend.
+
+    Args:
+        tiers: The storage of each tier.
+        max_blocks_per_chunk: Chunk size (blocks).
+        kernel_min_runs: Use the gather kernel for plans with at least this many runs.
+        record: Keep every issued copy in ``trace``.
+        max_tracked_plans: Plans whose end events are kept for ``wait_for`` and
+            duplicate-id checks before completed ones are forgotten.
+
+    Raises:
+        EngineUnavailableError: cupy is missing or sees no CUDA device.
+    """
 
     def __init__(
         self,
@@ -67,29 +93,80 @@ class CupyCopyEngine(StorageEngineBase):
         max_blocks_per_chunk: int = 64,
         kernel_min_runs: int = 32,
         record: bool = False,
+        max_tracked_plans: int = DEFAULT_MAX_TRACKED_PLANS,
     ) -> None:
         super().__init__(tiers, max_blocks_per_chunk, record)
-        try:
-            import cupy
-        except ImportError as exc:  # pragma: no cover - depends on the machine
-            raise TransferError("CupyCopyEngine needs cupy (pip install 'tiered-kv[cupy]')") from exc
+        self.kernel_min_runs = checks.count("kernel_min_runs", kernel_min_runs, minimum=1)
+        require("cupy", "CupyCopyEngine")
+        import cupy
+
         self.cp = cupy
+        self._api = CupyEvents(cupy.cuda.get_elapsed_time)
+        self._events = PlanEvents(self._api, max_tracked_plans)
         self.streams = {lane: cupy.cuda.Stream(non_blocking=True) for lane in ("h2d_urgent", "h2d", "d2h", "local")}
         self.kernel = cupy.RawKernel(GATHER_SRC, "copy_segments")
-        self.kernel_min_runs = kernel_min_runs
-        self._events: dict[int, object] = {}
+
+    @property
+    def max_tracked_plans(self) -> int:
+        """Plans whose end events are kept before completed ones are forgotten."""
+        return self._events.limit
+
+    @property
+    def tracked_plans(self) -> int:
+        """Plans whose end events the engine holds now (at most ``max_tracked_plans`` unless many are in flight)."""
+        return len(self._events)
 
     def _base(self, medium: str) -> int:
         return self.tiers[medium].kv.data_ptr()
 
-    def submit(self, plan: TransferPlan) -> TransferHandle:
+    def _as_cupy_stream(self, name: str, stream: object) -> Any:
+        """A cupy view of a cupy or torch CUDA stream."""
+        if isinstance(stream, torch.cuda.Stream):
+            return self.cp.cuda.ExternalStream(stream.cuda_stream)
+        if isinstance(getattr(stream, "ptr", None), int) and hasattr(stream, "wait_event"):
+            return stream
+        raise InvalidArgumentError(f"{name} must be a cupy or torch CUDA stream, got {checks.describe(stream)}")
+
+    def _compute_streams(self, name: str, given: object | None) -> list[Any]:
+        """The streams whose kernels may touch the KV: ``given``, else cupy's and torch's current streams."""
+        if given is not None:
+            return [self._as_cupy_stream(name, given)]
+        streams = [self.cp.cuda.get_current_stream()]
+        if torch.cuda.is_initialized():
+            ptr = torch.cuda.current_stream().cuda_stream
+            if ptr != streams[0].ptr:
+                streams.append(self.cp.cuda.ExternalStream(ptr))
+        return streams
+
+    def submit(self, plan: TransferPlan, compute_stream: object | None = None) -> TransferHandle:
+        """Issue the plan's copies on its lane's stream and return at once.
+
+        Args:
+            plan: The plan.
+            compute_stream: The stream (cupy or torch) whose kernels write the
+                KV a GPU-to-CPU plan reads; default: cupy's and torch's current streams.
+
+        Raises:
+            PlanError: the plan is malformed or its id is still in flight.
+            InvalidArgumentError: ``compute_stream`` is not a CUDA stream.
+        """
         if not isinstance(plan, TransferPlan):
             raise PlanError(f"submit() takes a TransferPlan, got {type(plan).__name__}")
+        if compute_stream is not None:
+            self._as_cupy_stream("compute_stream", compute_stream)
         prep = self.prepare(plan)
+        if self._events.in_flight(plan.plan_id):
+            raise PlanError(f"plan {plan.plan_id} is already in flight")
         stream = self.streams[prep.lane]
-        handle = _CupyHandle(plan, num_bytes=prep.num_bytes)
+        handle = EventTransferHandle(plan, num_bytes=prep.num_bytes)
         cp = self.cp
         try:
+            if plan.src_medium == "GPU":
+                # Never read KV that compute is still writing.
+                for compute in self._compute_streams("compute_stream", compute_stream):
+                    ready = cp.cuda.Event(disable_timing=True)
+                    ready.record(compute)
+                    stream.wait_event(ready)
             for w in plan.wait_for:
                 ev = self._events.get(w)
                 if ev is not None:
@@ -105,8 +182,8 @@ class CupyCopyEngine(StorageEngineBase):
         except Exception as exc:
             handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
             return handle
-        handle.attach(start, end)
-        self._events[plan.plan_id] = end
+        handle.attach(self._api, start, end)
+        self._events.add(plan.plan_id, end)
         return handle
 
     def _memcpy(self, prep: PreparedPlan, stream: object) -> None:
@@ -140,25 +217,18 @@ class CupyCopyEngine(StorageEngineBase):
             raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
         return False
 
+    def make_compute_wait(self, handle: TransferHandle, stream: object | None = None) -> None:
+        """Order compute after the plan on the device; the host does not block.
 
-class _CupyHandle(TransferHandle):
-    def attach(self, start: object, end: object) -> None:
-        self._start_ev, self._end_ev = start, end
-        self.status = TransferStatus.RUNNING
+        Args:
+            handle: A handle this engine returned.
+            stream: The stream (cupy or torch) to order; default: cupy's and
+                torch's current streams.
 
-    def done(self) -> bool:
-        if not self._event.is_set() and self._end_ev.done:  # type: ignore[attr-defined]
-            self._settle()
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        if not self._event.is_set():
-            self._end_ev.synchronize()  # type: ignore[attr-defined]
-            self._settle()
-        return self.ok
-
-    def _settle(self) -> None:
-        self._finish(TransferStatus.DONE)
-        from cupy.cuda import get_elapsed_time
-
-        self.elapsed_s = get_elapsed_time(self._start_ev, self._end_ev) / 1000.0
+        Raises:
+            PlanError: ``handle`` is not an issued plan of a CUDA engine.
+            InvalidArgumentError: ``stream`` is not a CUDA stream.
+        """
+        end = issued_event(handle, "make_compute_wait")
+        for compute in self._compute_streams("stream", stream):
+            compute.wait_event(end)

@@ -1,0 +1,194 @@
+"""A transfer handle whose completion is a device event, shared by the torch and cupy engines.
+
+An engine records a start and an end event on the copy stream around a plan's
+copies and attaches them.  ``done()`` polls the end event, ``wait(timeout)``
+polls it until the deadline (CUDA has no timed event wait, and a blocking
+``synchronize`` would ignore the timeout), and ``wait()`` with no timeout
+synchronises on it.  ``elapsed_s`` is the device time between the two events,
+so it measures the copies themselves, not the host's submission or polling.
+
+The two libraries spell the same event API differently; an :class:`EventAPI`
+adapter hides that, so one handle class serves both.  Standard library only:
+the adapters call methods on the event objects they are given.
+
+Anything the event API raises (a CUDA error surfaces at the next query or
+synchronise) fails the plan: a copy engine is foreign code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tiered_kv import checks
+from tiered_kv.errors import PlanError, TransferError
+from tiered_kv.transfer.plan import FINAL, TransferHandle, TransferStatus
+
+#: First and longest sleep between two polls in ``wait(timeout)``.  The longest
+#: bounds how late a wait returns after the copy ends (an engine idles that long
+#: waiting for a swap-in), at a cost of at most 4000 event queries a second.
+POLL_MIN_S = 50e-6
+POLL_MAX_S = 250e-6
+
+
+class EventAPI(Protocol):
+    """How one library queries, synchronises and times its events."""
+
+    def query(self, event: Any) -> bool:
+        """True once all work recorded before ``event`` has completed."""
+        ...
+
+    def synchronize(self, event: Any) -> None:
+        """Block the host until ``event`` has completed."""
+        ...
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Device milliseconds between two completed events."""
+        ...
+
+
+class TorchEvents:
+    """``torch.cuda.Event``: ``query()``, ``synchronize()``, ``start.elapsed_time(end)``."""
+
+    __slots__ = ()
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
+
+
+class CupyEvents:
+    """``cupy.cuda.Event``: the ``done`` property, ``synchronize()``, ``cupy.cuda.get_elapsed_time``.
+
+    Args:
+        get_elapsed_time: ``cupy.cuda.get_elapsed_time`` (passed in so this
+            module never imports cupy).
+    """
+
+    __slots__ = ("_get_elapsed_time",)
+
+    def __init__(self, get_elapsed_time: Callable[[Any, Any], float]) -> None:
+        self._get_elapsed_time = get_elapsed_time
+
+    def query(self, event: Any) -> bool:
+        return bool(event.done)
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(self._get_elapsed_time(start, end))
+
+
+@dataclass(eq=False)
+class EventTransferHandle(TransferHandle):
+    """A handle that is final once its end event has completed on the device.
+
+    Until :meth:`attach` it behaves like a plain handle, so an engine can fail
+    it before any copy was issued.  After ``attach`` it is RUNNING; it becomes
+    DONE the first time a ``done()`` or ``wait()`` sees the end event complete,
+    or FAILED if the event API raises.
+    """
+
+    _api: EventAPI | None = field(default=None, repr=False)
+    _start_ev: Any = field(default=None, repr=False)
+    _end_ev: Any = field(default=None, repr=False)
+
+    def attach(self, api: EventAPI, start: Any, end: Any) -> None:
+        """Tie the handle to the events recorded before and after the plan's copies."""
+        self._api, self._start_ev, self._end_ev = api, start, end
+        self.status = TransferStatus.RUNNING
+
+    @property
+    def event(self) -> Any:
+        """The end event (``None`` if the plan failed before its copies were issued)."""
+        return self._end_ev
+
+    def done(self) -> bool:
+        if self._event.is_set() or self._api is None:
+            return self._event.is_set()
+        try:
+            finished = self._api.query(self._end_ev)
+        except Exception as exc:
+            self._settle(exc)
+            return True
+        if finished:
+            self._settle(None)
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until final or ``timeout`` seconds; return whether the copy succeeded.
+
+        With a timeout the end event is polled (sleeping between polls), so the
+        call returns False by the deadline even if the device never finishes.
+        """
+        timeout = checks.timeout("timeout", timeout)
+        if self._event.is_set() or self._api is None:
+            self._event.wait(timeout)
+            return self.ok
+        if timeout is None:
+            try:
+                self._api.synchronize(self._end_ev)
+            except Exception as exc:
+                self._settle(exc)
+                return False
+            self._settle(None)
+            return self.ok
+        deadline = time.monotonic() + timeout
+        delay = POLL_MIN_S
+        while not self.done():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, POLL_MAX_S)
+        return self.ok
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait, then raise :class:`TransferError` unless the copy succeeded."""
+        self.wait(timeout)
+        if not self.done():
+            raise TransferError(f"plan {self.plan.plan_id}: not finished after {timeout} s")
+        super().result(0)
+
+    def _settle(self, exc: BaseException | None) -> None:
+        """Make the handle final: DONE with the device's elapsed time, or FAILED with ``exc``.
+
+        Status, error and time change together under the handle's lock, so no
+        reader sees DONE before its elapsed time is set.  If the device cannot
+        time the events (the copies did finish), the host-measured time stays.
+        """
+        status, error = TransferStatus.DONE, None
+        elapsed = time.perf_counter() - self.submitted_at
+        if exc is None:
+            try:
+                elapsed = self._api.elapsed_ms(self._start_ev, self._end_ev) / 1000.0  # type: ignore[union-attr]
+            except Exception:  # the copies finished; only the device timing is unavailable: keep host time
+                pass
+        else:
+            status, error = TransferStatus.FAILED, TransferError(f"plan {self.plan.plan_id}: {exc}")
+        with self._lock:
+            if self.status in FINAL:
+                return
+            self.status, self.error, self.elapsed_s = status, error, elapsed
+        self._event.set()
+
+
+def issued_event(handle: object, caller: str) -> Any:
+    """The end event of a plan whose copies were issued; :class:`PlanError` for anything else.
+
+    For ``make_compute_wait``: ordering a stream after a plan needs the plan's
+    event, which a CPU engine's handle, or a plan refused at submission, lacks.
+    """
+    if not isinstance(handle, EventTransferHandle):
+        raise PlanError(f"{caller}() takes a handle from a CUDA copy engine, got {type(handle).__name__}")
+    if handle.event is None:
+        raise PlanError(f"{caller}(): plan {handle.plan.plan_id} failed before its copies were issued ({handle.error})")
+    return handle.event
