@@ -56,3 +56,15 @@ class ConfigError(TieredKVError, ValueError):
 
 class StorageError(TieredKVError, RuntimeError):
     """KV storage could not be allocated or pinned."""
+
+
+class ResourceLimitError(ConfigError):
+    """A run would need more memory or time than this machine has; the message gives the estimate."""
+
+
+class MissingDependencyError(TieredKVError, ImportError):
+    """An optional dependency is not installed (or fails to import); the message names the extra to install."""
+
+
+class OutputError(TieredKVError, OSError):
+    """An output path cannot be written (a directory, a file in the way, no permission)."""

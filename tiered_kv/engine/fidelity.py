@@ -21,7 +21,7 @@ from typing import Any
 from tiered_kv.engine.engine import Engine
 from tiered_kv.engine.model import ModelConfig
 from tiered_kv.sim.calibration import Calibration, load_calibration
-from tiered_kv.sim.config import CONFIG_DIR, RunSetup, load_config, setup
+from tiered_kv.sim.config import RunSetup, load_config, setup
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.workload import SimRequest, generate
 
@@ -107,7 +107,7 @@ def fidelity(
     emit: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     cal = load_calibration(calibration)
-    cfg = load_config(config or CONFIG_DIR / "fidelity-tiny.yaml", calibration=cal)
+    cfg = load_config(config or "fidelity-tiny", calibration=cal)
     workload = generate(cfg["workload"], cfg["seed"])
     rows = []
     emit(f"{'run':22} {'metric':15} {'predicted':>10} {'measured':>10} {'error':>7}")
