@@ -182,3 +182,17 @@ def test_paths_inside_a_config_are_relative_to_the_config_file(tmp_path, monkeyp
 def test_an_inline_profile_mapping_still_works():
     cfg = config(hardware=dict(TINY["hardware"], name="inline"))
     assert setup(cfg, 0).hardware.name == "inline"
+
+
+def test_bench_transfer_never_labels_an_engine_that_did_not_run():
+    pytest.importorskip("torch")
+    import torch
+
+    from tiered_kv.tools.bench_transfer import check_engines, run_cases
+
+    with pytest.raises(InvalidArgumentError, match="unknown engine 'gpu'"):
+        run_cases(engines=["gpu"], block_tokens=[16], layouts=["block_contiguous"], bytes_per_case=1 << 20)
+    if not torch.cuda.is_available():
+        with pytest.raises(InvalidArgumentError, match="needs a CUDA device"):
+            check_engines(["cuda"])
+    check_engines(["cpu"])
