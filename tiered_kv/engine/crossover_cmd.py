@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.sim.argtypes import positive_int, power_of_two
+from tiered_kv.storage.spec import LAYOUTS
 
 NAME = "crossover"
 SUMMARY = "measure swap vs recompute here; write a calibration"
-DTYPES = ("float32", "float16", "bfloat16")
-LAYOUTS = ("block_contiguous", "layer_first")
+DTYPES = ("float32", "float16", "bfloat16")  # what the model computes in (the KV can hold more)
 
 
 def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
