@@ -171,3 +171,53 @@ def test_simulate_on_a_terminal_draws_a_bar(tiny_config, columns):
     text = b"".join(chunks).decode()
     assert "\r" in text and "6/6" in text and "100%|" in text
     assert "elapsed" not in text  # the log format is for logs only
+
+
+def test_crossover_and_fidelity_report_every_phase_step(tmp_path):
+    pytest.importorskip("torch")
+    from tiered_kv.engine.crossover import crossover
+    from tiered_kv.engine.fidelity import fidelity
+    from tiered_kv.engine.model import ModelConfig
+
+    model = ModelConfig(
+        vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
+    )
+    calls = []
+    _, cal = crossover(
+        model,
+        block_size=4,
+        lengths=[32, 64],
+        repeats=1,
+        emit=lambda s: None,
+        step_scale=0.1,
+        progress=lambda *a: calls.append(a),
+    )
+    measuring, fitting = "measuring swap and recompute", "fitting the step model on engine runs"
+    assert calls == [(measuring, k, 2) for k in range(3)] + [(fitting, k, 4) for k in range(5)]
+
+    cal.save(tmp_path / "cal.json")
+    raw = {k: v for k, v in TINY.items() if k not in ("memory", "workload", "runs", "model")}
+    raw["memory"] = {"block_size": 4, "gpu_blocks": 10, "cpu_blocks": 64, "activation_reserve_gib": 0}
+    raw["workload"] = dict(TINY["workload"], num_requests=3, arrival={"process": "fixed", "rate": 1000.0})
+    raw["runs"] = [{"name": "recompute", "mode": "recompute", "cpu_kv_gib": 0}, {"name": "swap", "mode": "swap"}]
+    (tmp_path / "fid.yaml").write_text(yaml.safe_dump(raw))
+    calls.clear()
+    fidelity(tmp_path / "cal.json", tmp_path / "fid.yaml", emit=lambda s: None, progress=lambda *a: calls.append(a))
+    assert calls == [("simulating and serving each run", k, 4) for k in range(5)]
+
+
+def test_crossover_command_in_a_log_prints_each_phase(tmp_path, capsys):
+    pytest.importorskip("torch")
+    from tiered_kv.cli import main
+
+    small = ["--max-tokens", "256", "--layers", "1", "--hidden", "32", "--heads", "2", "--kv-heads", "1"]
+    out = tmp_path / "cal.json"
+    assert main(["crossover", *small, "--head-dim", "16", "--repeats", "1", "--calibration-out", str(out)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert lines[0] == "crossover: measuring swap and recompute: 0/1 steps (0%), 0:00:00 elapsed, ETA ?"
+    # (a slow machine may add heartbeat lines in between)
+    assert any(x.startswith("crossover: measuring swap and recompute: 1/1 steps (100%), done in") for x in lines)
+    assert any(x.startswith("crossover: fitting the step model on engine runs: 0/4 steps (0%)") for x in lines)
+    assert lines[-1].startswith("crossover: fitting the step model on engine runs: 4/4 steps (100%), done in")
+    assert f"wrote calibration {out}" in captured.out and out.exists()

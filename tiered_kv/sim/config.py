@@ -235,9 +235,11 @@ def config_from_raw(
             node = raw
             *parents, leaf = dotted.split(".")
             for k in parents:
-                node = node.setdefault(k, {})
+                if node.get(k) is None:  # absent, or an empty section in the YAML
+                    node[k] = {}
+                node = node[k]
                 if not isinstance(node, dict):
-                    raise ConfigError(f"{dotted}: expected a mapping at {k!r}")
+                    raise ConfigError(f"{k}: expected a mapping, got {type(node).__name__} {node!r}")
             node[leaf] = value
     cfg = validate_config(raw, calibration)
     if cfg["name"] == "experiment":
