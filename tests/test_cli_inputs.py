@@ -179,6 +179,16 @@ def test_paths_inside_a_config_are_relative_to_the_config_file(tmp_path, monkeyp
     assert size(cfg["workload"]).requests == 1
 
 
+def test_overrides_fill_a_section_the_yaml_left_empty():
+    from tiered_kv.sim.config import config_from_raw
+
+    raw = {k: v for k, v in TINY.items() if k != "workload"}
+    raw["workload"] = None  # `workload:` with nothing under it
+    fixed = {f"workload.{k}_len.{f}": v for k in ("prompt", "output") for f, v in (("dist", "fixed"), ("value", 2))}
+    cfg = config_from_raw(raw, overrides={"workload.arrival.rate": 2.0, **fixed})
+    assert cfg["workload"]["arrival"]["rate"] == 2.0
+
+
 def test_an_inline_profile_mapping_still_works():
     cfg = config(hardware=dict(TINY["hardware"], name="inline"))
     assert setup(cfg, 0).hardware.name == "inline"
