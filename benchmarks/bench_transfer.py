@@ -2,7 +2,7 @@
 
 import sys
 
-from tiered_kv.tools.bench_transfer import main
+from tiered_kv.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["bench-transfer", *sys.argv[1:]]))

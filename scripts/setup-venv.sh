@@ -12,4 +12,5 @@ fi
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
-.venv/bin/pip install -q --disable-pip-version-check -e ".[test,sim]"
+# sim: YAML configs, plots, progress bars; ray: `sweep --ray` and its test.
+.venv/bin/pip install -q --disable-pip-version-check -e ".[test,sim,ray]"

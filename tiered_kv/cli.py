@@ -1,76 +1,114 @@
-"""The ``tiered-kv`` command line."""
+"""The ``tiered-kv`` command line.
+
+Each subcommand registers its own parser from the module that owns it; this
+module only assembles them and turns every failure into one line on stderr
+and exit status 2 (``--debug`` shows the traceback instead).  Registering
+imports neither torch nor PyYAML, so ``tiered-kv --help`` and ``--version``
+work on a base install.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any, NoReturn
+
+from tiered_kv import __version__, demo
+from tiered_kv.engine import crossover_cmd, fidelity_cmd
+from tiered_kv.errors import TieredKVError
+from tiered_kv.sim import simulate_cmd, sweep_cmd
+from tiered_kv.tools import bench_transfer_cmd
+
+PROG = "tiered-kv"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="tiered-kv", description="Multi-tier KV-cache memory manager for LLM serving."
+class _Formatter(argparse.HelpFormatter):
+    """Room for long flags, so most help texts start on the flag's own line."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30)
+
+
+class _TopFormatter(argparse.RawDescriptionHelpFormatter, _Formatter):
+    """Keeps the command list in the epilog as written: one line per command."""
+
+
+COMMANDS = (simulate_cmd, sweep_cmd, crossover_cmd, fidelity_cmd, bench_transfer_cmd, demo)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line: what was wrong, and where to read more."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> Parser:
+    width = max(len(m.NAME) for m in COMMANDS) + 2
+    listing = "\n".join(f"  {m.NAME:{width}}{m.SUMMARY}" for m in COMMANDS)
+    parser = Parser(
+        prog=PROG,
+        usage=f"{PROG} [-h] [--version] [--debug] COMMAND ...",
+        description="A multi-tier KV-cache memory manager for LLM serving: simulate it, sweep it, measure it.",
+        epilog=f"commands:\n{listing}\n\nRun '{PROG} COMMAND --help' for a command's flags.",
+        formatter_class=_TopFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="walk through the prefix-cached block pool step by step")
-    demo.add_argument("--hash", default="sha256", choices=["sha256", "fast"], help="block hash function")
-    sub.add_parser("bench-transfer", help="measure copy-engine bandwidth against one contiguous copy", add_help=False)
-    sim = sub.add_parser("simulate", help="simulate a config's runs on one workload (default: the main experiment)")
-    sim.add_argument(
-        "config", nargs="?", default=None, help="YAML config (default: configs/oversubscribed-llama3-8b-h200.yaml)"
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--debug", action="store_true", help="on failure, show the full traceback")
+    # Also accepted after the command; SUPPRESS keeps the subparser from resetting a --debug given before it.
+    common = Parser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="on failure, show the traceback"
     )
-    sim.add_argument("--json", type=Path, help="write the results document here")
-    sim.add_argument("--plots", type=Path, help="write PNG plots into this directory")
-    sim.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sim.add_argument("--calibration", type=Path, help="use a cost model measured by `tiered-kv crossover`")
-    sub.add_parser("crossover", help="measure swap vs recompute on this hardware; write a calibration", add_help=False)
-    sub.add_parser("fidelity", help="simulator prediction vs the real engine on one workload", add_help=False)
-    sw = sub.add_parser("sweep", help="cross a config's runs with sweep.gpu_kv_gib and sweep.rate")
-    sw.add_argument("config")
-    sw.add_argument("--json", type=Path)
-    sw.add_argument("--plots", type=Path)
-    sw.add_argument("--no-progress", action="store_true")
+    # The command list is the epilog above (argparse would wrap long names onto a line of their own).
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog=PROG)
+    for module in COMMANDS:
+        parser.commands[module.NAME] = module.register(sub, [common])
     return parser
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench-transfer"]:
-        from tiered_kv.tools.bench_transfer import main as bench_transfer
-
-        return bench_transfer(argv[1:])
-    if argv[:1] == ["crossover"]:
-        from tiered_kv.engine.crossover import main as crossover
-
-        return crossover(argv[1:])
-    if argv[:1] == ["fidelity"]:
-        from tiered_kv.engine.fidelity import main as fidelity
-
-        return fidelity(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from tiered_kv.demo import run_walkthrough
-
-        run_walkthrough(hash_fn=args.hash)
-        return 0
-    from tiered_kv.errors import ConfigError
-
+    """Run ``tiered-kv`` with ``argv`` (default: the process's arguments); return the exit status."""
+    parser = build_parser()
     try:
-        if args.command == "simulate":
-            from tiered_kv.sim.runner import simulate
-
-            simulate(args.config, args.json, args.plots, progress=not args.no_progress, calibration=args.calibration)
-            return 0
-        if args.command == "sweep":
-            from tiered_kv.sim.runner import sweep
-
-            sweep(args.config, args.json, args.plots, progress=not args.no_progress)
-            return 0
-    except ConfigError as exc:
-        print(f"tiered-kv: config error: {exc}", file=sys.stderr)
-        return 2
-    return 2  # pragma: no cover - argparse rejects unknown commands
+        args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+        if extra:  # the command's own parser says it, with its own name and --help
+            parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as exc:  # --help, --version, or a usage error already printed as one line
+        return exc.code if isinstance(exc.code, int) else 2
+    where = f"{PROG} {args.command}"
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"{where}: interrupted", file=sys.stderr)
+        return 130
+    except TieredKVError as exc:
+        if args.debug:
+            raise
+        print(f"{where}: {_one_line(str(exc))}", file=sys.stderr)
+    except OSError as exc:
+        if args.debug:
+            raise
+        name = f" '{exc.filename}'" if exc.filename else ""
+        print(f"{where}:{name} {_one_line(exc.strerror or str(exc))}", file=sys.stderr)
+    except Exception as exc:  # a bug: still one line, and the way to see more
+        if args.debug:
+            raise
+        what = f"{type(exc).__name__}: {_one_line(str(exc))}"
+        print(f"{where}: internal error: {what} (rerun with --debug for the traceback)", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ the block is handed out).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from tiered_kv.core import BlockPool, KVCacheManager, Request
 
@@ -61,6 +63,30 @@ def run_walkthrough(emit: Callable[[str], None] = print, hash_fn: str = "sha256"
             mgr.take_events()
         emit(f"    free queue (front first, * = cached): {queue_str(pool)}   usage {pool.get_usage():.2f}\n")
     return {"tables": tables, "queue": queue_str(pool)}
+
+
+NAME = "demo"
+SUMMARY = "walk through the prefix-cached block pool step by step"
+
+
+def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Add ``demo`` to the ``tiered-kv`` parser."""
+    p = subparsers.add_parser(
+        NAME,
+        parents=parents,
+        help=SUMMARY,
+        description="Admit and free four requests on an 11-block pool and print the block tables and free queue.",
+    )
+    p.add_argument(
+        "--hash", default="sha256", choices=["sha256", "fast"], help="block hash function (default: %(default)s)"
+    )
+    p.set_defaults(func=_run)
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    run_walkthrough(hash_fn=args.hash)
+    return 0
 
 
 def main() -> None:

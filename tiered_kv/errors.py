@@ -60,3 +60,15 @@ class StorageError(TieredKVError, RuntimeError):
 
 class ConcurrentUseError(TieredKVError, RuntimeError):
     """A single-threaded object was entered by a second thread while the first was inside."""
+
+
+class ResourceLimitError(ConfigError):
+    """A run would need more memory or time than this machine has; the message gives the estimate."""
+
+
+class MissingDependencyError(TieredKVError, ImportError):
+    """An optional dependency is not installed (or fails to import); the message names the extra to install."""
+
+
+class OutputError(TieredKVError, OSError):
+    """An output path cannot be written (a directory, a file in the way, no permission)."""

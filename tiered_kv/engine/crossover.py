@@ -16,11 +16,8 @@ the engine's step-time model fitted to real engine steps, for
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,6 +29,7 @@ from tiered_kv.engine.engine import Engine
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.manager.cost_model import CostModel, nnls
 from tiered_kv.sim.calibration import STEP_TERMS, Calibration, model_config_dict
+from tiered_kv.sim.progress import PhaseHook
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.transfer.factory import make_copy_engine
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
@@ -50,6 +48,7 @@ def measure_lengths(
     repeats: int,
     device: str,
     emit: Callable[[str], None],
+    progress: PhaseHook | None = None,
 ) -> list[dict[str, Any]]:
     """Swap-out, swap-in, swap beside compute, and recompute, per context length."""
     spec = config.kv_spec(block_size)
@@ -111,6 +110,9 @@ def measure_lengths(
         f"{'tokens':>7} {'blocks':>6} {'MiB':>7} {'swap-out ms':>11} {'swap-in ms':>10} {'swap+compute ms':>15} "
         f"{'recompute ms':>12}  winner"
     )
+    phase = "measuring swap and recompute"
+    if progress is not None:
+        progress(phase, 0, len(lengths))
     for length in lengths:
         nb = -(-length // block_size)
         table = list(range(1, nb + 1))
@@ -135,6 +137,8 @@ def measure_lengths(
             f"{length:7d} {nb:6d} {row['bytes'] / 2**20:7.2f} {out * 1e3:11.3f} {back * 1e3:10.3f} "
             f"{with_compute * 1e3:15.3f} {recompute * 1e3:12.3f}  {row['winner']}"
         )
+        if progress is not None:
+            progress(phase, len(rows), len(lengths))
     if hasattr(copy, "close"):
         copy.close()
     return rows
@@ -149,6 +153,7 @@ def fit_step_model(
     seed: int = 1,
     scale: float = 1.0,
     max_prompt: int = 400,
+    progress: PhaseHook | None = None,
 ) -> tuple[tuple[float, float, float, float, float], float]:
     """Fit the engine's step time on real engine steps; return the model and its mean relative error.
 
@@ -169,7 +174,10 @@ def fit_step_model(
         (16, free, "recompute", "none"),
         (16, 1024 // block_size, "swap", "write_through"),
     ]
-    for max_seqs, gpu_blocks, mode, offload in runs:
+    phase = "fitting the step model on engine runs"
+    if progress is not None:
+        progress(phase, 0, len(runs))
+    for k, (max_seqs, gpu_blocks, mode, offload) in enumerate(runs, 1):
         e = Engine(
             config,
             num_gpu_blocks=gpu_blocks,
@@ -188,6 +196,8 @@ def fit_step_model(
         e.run()
         e.close()
         steps.extend(e.stats.step_log)
+        if progress is not None:
+            progress(phase, k, len(runs))
     feats = [[1.0, float(t), float(a), float(kv), float(k)] for t, a, kv, k, _dt, _c in steps]
     ys = [dt for *_, dt, _c in steps]
     coef = nnls([[v / y for v in x] for x, y in zip(feats, ys, strict=True)], [1.0] * len(ys))
@@ -206,7 +216,9 @@ def crossover(
     device: str | None = None,
     emit: Callable[[str], None] = print,
     step_scale: float = 1.0,
+    progress: PhaseHook | None = None,
 ) -> tuple[dict[str, Any], Calibration]:
+    """Measure, fit and summarise; ``progress`` hears about each length and each step-fit engine run."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if lengths is None:
         # "Up to what fits": a prefill's attention scores take heads x L^2 floats; keep them under 512 MiB.
@@ -217,7 +229,7 @@ def crossover(
         f"{config.num_heads} heads / {config.num_kv_heads} KV heads x {config.head_dim}, {config.dtype}; "
         f"block {block_size} tokens, {layout}"
     )
-    rows = measure_lengths(config, block_size, layout, lengths, repeats, device, emit)
+    rows = measure_lengths(config, block_size, layout, lengths, repeats, device, emit, progress)
     spec = config.kv_spec(block_size)
     # The link is fitted to the copies that ran beside compute: during serving every copy
     # does, and on a shared machine the contention is part of what a copy costs.
@@ -225,7 +237,14 @@ def crossover(
     prefills = [(r["tokens"], r["recompute_s"]) for r in rows]
     cm = CostModel(kv_bytes_per_token=spec.bytes_per_token, block_size=block_size).calibrated(transfers, prefills)
     coef, fit_err = fit_step_model(
-        config, block_size, layout, device, repeats, scale=step_scale, max_prompt=min(400, max(lengths))
+        config,
+        block_size,
+        layout,
+        device,
+        repeats,
+        scale=step_scale,
+        max_prompt=min(400, max(lengths)),
+        progress=progress,
     )
     cal = Calibration(device, block_size, layout, model_config_dict(config), cm, tuple(coef))  # type: ignore[arg-type]
     cross = None
@@ -290,44 +309,3 @@ def plot(doc: dict[str, Any], outdir: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tiered-kv crossover", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, help="write the measurements here")
-    ap.add_argument("--plots", type=Path, help="write crossover.png here")
-    ap.add_argument("--calibration-out", type=Path, default=Path("out/calibration.json"))
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=32)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--layout", default="block_contiguous", choices=["block_contiguous", "layer_first"])
-    ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32")
-    args = ap.parse_args(argv)
-    config = ModelConfig(
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        intermediate_size=2 * args.hidden,
-        dtype=args.dtype,
-    )
-    doc, cal = crossover(config, args.block_size, args.layout, None, args.max_tokens, args.repeats)
-    cal.save(args.calibration_out)
-    print(f"wrote calibration {args.calibration_out}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.json}")
-    if args.plots:
-        print(f"wrote {plot(doc, args.plots)}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

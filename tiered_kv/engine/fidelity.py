@@ -9,21 +9,20 @@ throughput, swap (transfer) time and recompute time, with the relative error.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tiered_kv.engine.engine import Engine
 from tiered_kv.engine.model import ModelConfig
+from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import Calibration, load_calibration
-from tiered_kv.sim.config import CONFIG_DIR, RunSetup, load_config, setup
+from tiered_kv.sim.config import RunSetup, load_config, setup
+from tiered_kv.sim.progress import PhaseHook
 from tiered_kv.sim.simulator import Simulator
-from tiered_kv.sim.workload import SimRequest, generate
+from tiered_kv.sim.workload import SimRequest
 
 METRICS = ("throughput_rps", "transfer_s", "recompute_s")
 
@@ -97,16 +96,26 @@ def fidelity(
     calibration: str | Path,
     config: str | Path | None = None,
     emit: Callable[[str], None] = print,
+    progress: PhaseHook | None = None,
 ) -> dict[str, Any]:
+    """Predict each run with the simulator and measure it on the engine; ``progress`` hears about each half."""
     cal = load_calibration(calibration)
-    cfg = load_config(config or CONFIG_DIR / "fidelity-tiny.yaml", calibration=cal)
-    workload = generate(cfg["workload"], cfg["seed"])
+    cfg = load_config(config or "fidelity-tiny", calibration=cal)
+    setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
+    workload = build_workload(cfg, setups)
+    phase, total = "simulating and serving each run", 2 * len(setups)
+    if progress is not None:
+        progress(phase, 0, total)
     rows = []
     emit(f"{'run':22} {'metric':15} {'predicted':>10} {'measured':>10} {'error':>7}")
     for i in range(len(cfg["runs"])):
-        st = setup(cfg, i, cal)
+        st = setups[i]
         pred = Simulator(st, workload).run()
+        if progress is not None:
+            progress(phase, 2 * i + 1, total)
         meas = run_engine(st, workload, cal)
+        if progress is not None:
+            progress(phase, 2 * i + 2, total)
         for m in METRICS:
             p, v = pred[m], meas[m]
             err = abs(p - v) / v if v else (0.0 if p == 0 else None)  # None: measured 0, predicted not
@@ -125,21 +134,3 @@ def fidelity(
     errs = [r["error"] for r in rows if r["metric"] == "throughput_rps"]
     emit(f"\nthroughput error: mean {sum(errs) / len(errs):.1%}, max {max(errs):.1%} (goal: within 10%)")
     return {"calibration": str(calibration), "config": cfg["name"], "device": cal.device, "rows": rows}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tiered-kv fidelity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("config", nargs="?", default=None)
-    ap.add_argument("--calibration", type=Path, default=Path("out/calibration.json"))
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args(argv)
-    doc = fidelity(args.calibration, args.config)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=1))
-        print(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,13 +13,16 @@ Written by ``tiered-kv crossover`` from measurements on the present hardware:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.sim.files import read_json, write_text
 from tiered_kv.sim.profiles import ModelProfile
+from tiered_kv.storage.spec import DTYPE_BYTES, LAYOUTS
 
 STEP_TERMS = ("intercept_s", "per_token_s", "per_attn_unit_s", "per_kv_token_s", "per_seq_s")
 
@@ -58,34 +61,72 @@ class Calibration:
         }
 
     def save(self, path: Path, extra: dict[str, Any] | None = None) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**self.to_dict(), **(extra or {})}, indent=1))
+        write_text(path, json.dumps({**self.to_dict(), **(extra or {})}, indent=1), "--calibration-out")
+
+
+MODEL_KEYS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim")
+
+
+def _number(v: Any, key: str, minimum: float = 0.0) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < minimum:
+        raise ConfigError(f"{key}: must be a finite number >= {minimum:g}, got {v!r}")
+    return float(v)
+
+
+def _count(v: Any, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{key}: must be an integer >= 1, got {v!r}")
+    return v
 
 
 def load_calibration(path: str | Path) -> Calibration:
+    """Read a calibration written by ``tiered-kv crossover``; every field is checked and named if wrong."""
     p = Path(path)
     if not p.exists():
-        raise ConfigError(f"calibration: file {str(p)!r} does not exist")
-    try:
-        d = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"calibration: {p} is not JSON: {exc}") from None
+        raise ConfigError(f"calibration: file '{p}' does not exist (write one with `tiered-kv crossover`)")
+    d = read_json(p, "calibration")
+    if not isinstance(d, dict):
+        raise ConfigError(f"calibration: {p} must hold a JSON object, got {type(d).__name__}")
     for key in ("device", "block_size", "layout", "model", "cost_model", "step_model"):
         if key not in d:
             raise ConfigError(f"calibration.{key}: required key is missing in {p}")
+    if not isinstance(d["device"], str):
+        raise ConfigError(f"calibration.device: must be a string, got {d['device']!r}")
+    block_size = _count(d["block_size"], "calibration.block_size")
+    if d["layout"] not in LAYOUTS:
+        raise ConfigError(f"calibration.layout: must be one of {list(LAYOUTS)}, got {d['layout']!r}")
+    model = d["model"]
+    if not isinstance(model, dict):
+        raise ConfigError(f"calibration.model: must be a mapping, got {type(model).__name__}")
+    for key in MODEL_KEYS:
+        if key not in model:
+            raise ConfigError(f"calibration.model.{key}: required key is missing")
+        _count(model[key], f"calibration.model.{key}")
+    _number(model.get("num_params"), "calibration.model.num_params")
+    if model.get("dtype") not in DTYPE_BYTES:
+        raise ConfigError(f"calibration.model.dtype: must be one of {sorted(DTYPE_BYTES)}, got {model.get('dtype')!r}")
     sm = d["step_model"]
+    if not isinstance(sm, dict):
+        raise ConfigError(f"calibration.step_model: must be a mapping, got {type(sm).__name__}")
     missing = [t for t in STEP_TERMS if t not in sm]
     if missing:
         raise ConfigError(f"calibration.step_model.{missing[0]}: required key is missing")
     for t in STEP_TERMS:
-        if not isinstance(sm[t], int | float) or sm[t] < 0:
+        if isinstance(sm[t], bool) or not isinstance(sm[t], int | float) or not sm[t] >= 0 or math.isinf(sm[t]):
             raise ConfigError(f"calibration.step_model.{t}: must be a number >= 0, got {sm[t]!r}")
+    cm = d["cost_model"]
+    if not isinstance(cm, dict):
+        raise ConfigError(f"calibration.cost_model: must be a mapping, got {type(cm).__name__}")
+    try:
+        cost_model = CostModel.from_dict(cm)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"calibration.cost_model: {exc}") from None
     return Calibration(
         device=d["device"],
-        block_size=int(d["block_size"]),
+        block_size=block_size,
         layout=d["layout"],
-        model=d["model"],
-        cost_model=CostModel.from_dict(d["cost_model"]),
+        model=model,
+        cost_model=cost_model,
         step_model=tuple(float(sm[t]) for t in STEP_TERMS),  # type: ignore[arg-type]
     )
 

@@ -9,16 +9,18 @@ CPU tier, or requests larger than the whole GPU KV pool.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.policies import POLICIES
 from tiered_kv.sim.calibration import Calibration
 from tiered_kv.sim.compute import ComputeModel
-from tiered_kv.sim.profiles import CONFIG_DIR, HardwareProfile, ModelProfile, load_hardware, load_model
+from tiered_kv.sim.files import read_yaml
+from tiered_kv.sim.profiles import HardwareProfile, ModelProfile, is_path_ref, load_hardware, load_model
 from tiered_kv.sim.schema import (
     Field,
     choice,
@@ -31,9 +33,14 @@ from tiered_kv.sim.schema import (
     probability,
     validate,
 )
+from tiered_kv.sim.shipped import shipped, shipped_names
+from tiered_kv.sim.workload import longest_synthetic
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 GIB = 1 << 30
-DEFAULT_CONFIG = CONFIG_DIR / "oversubscribed-llama3-8b-h200.yaml"
+DEFAULT_CONFIG = "oversubscribed-llama3-8b-h200"  # the main experiment, shipped in configs/
 
 
 def _length(default_dist: str, value: int) -> dict[str, Any]:
@@ -86,7 +93,7 @@ SCHEMA: dict[str, Any] = {
         "fixed_step_s": num(None, positive, nullable=True),
     },
     "link": {
-        "gbps_per_direction": num(None, non_negative, nullable=True),
+        "gbps_per_direction": num(None, non_negative, nullable=True, allow_inf=True),
         "per_copy_overhead_s": num(None, non_negative, nullable=True),
     },
     "workload": {
@@ -147,38 +154,96 @@ class RunSetup:
     chunked_prefill: bool
 
 
+def find_config(ref: str | Path | None) -> Path | Traversable:
+    """The config file for ``ref``: a path, the name of a shipped config, or None for the main experiment."""
+    if ref is None:
+        ref = DEFAULT_CONFIG
+    p = Path(ref).expanduser()
+    if p.exists():
+        return p
+    text = str(ref)
+    if not text.endswith((".yaml", ".yml")) and "/" not in text:
+        found = shipped("experiments", text)
+        if found is not None:
+            return found
+    raise ConfigError(
+        f"config file '{ref}' does not exist (give a path, or one of the shipped configs: "
+        f"{', '.join(shipped_names('experiments'))})"
+    )
+
+
+def _under(base: Path, ref: str) -> str:
+    p = Path(ref).expanduser()
+    return str(p if p.is_absolute() else base / p)
+
+
+def resolve_paths(raw: Any, base: Path) -> Any:
+    """A copy of ``raw`` whose relative file references (profiles, trace) are made relative to ``base``.
+
+    A config's paths mean what they say where the config lives, not where the
+    command happens to run.
+    """
+    if not isinstance(raw, dict):
+        return raw
+    raw = copy.deepcopy(raw)
+    for key in ("hardware", "model"):
+        ref = raw.get(key)
+        if isinstance(ref, str) and is_path_ref(ref):
+            raw[key] = _under(base, ref)
+    w = raw.get("workload")
+    if isinstance(w, dict) and isinstance(w.get("trace"), str):
+        w["trace"] = _under(base, w["trace"])
+    return raw
+
+
+def read_config(path: str | Path | None = None) -> tuple[Any, str]:
+    """The raw YAML of a config (paths inside it resolved against its directory) and its name."""
+    src = find_config(path)
+    raw = read_yaml(src, "config")
+    if isinstance(src, Path):
+        raw = resolve_paths(raw, src.resolve().parent)
+    return raw, src.name.rsplit(".", 1)[0]
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: dict[str, Any] | None = None,
     calibration: Calibration | None = None,
 ) -> dict[str, Any]:
-    """Read and validate a YAML config (``None``: the default experiment).
+    """Read and validate a YAML config (``None``: the main experiment; a bare name: a shipped config).
 
-    With ``calibration``, runs are checked against the calibrated model rather
-    than the config's model profile.
+    Relative paths inside the config (profile files, a trace) are resolved
+    against the config file's directory.  With ``calibration``, runs are
+    checked against the calibrated model rather than the config's model profile.
     """
-    import yaml
+    raw, stem = read_config(path)
+    return config_from_raw(raw, stem, overrides, calibration)
 
-    p = Path(path) if path is not None else DEFAULT_CONFIG
-    if not p.exists() and path is not None and not str(path).endswith((".yaml", ".yml")):
-        p = CONFIG_DIR / f"{path}.yaml"
-    if not p.exists():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+
+def config_from_raw(
+    raw: Any,
+    stem: str = "experiment",
+    overrides: dict[str, Any] | None = None,
+    calibration: Calibration | None = None,
+) -> dict[str, Any]:
+    """Validate an already-read config, with dotted-key ``overrides`` applied first."""
     if overrides:
         raw = copy.deepcopy(raw or {})
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config: expected a mapping, got {type(raw).__name__}")
         for dotted, value in overrides.items():
             node = raw
             *parents, leaf = dotted.split(".")
             for k in parents:
-                node = node.setdefault(k, {})
+                if node.get(k) is None:  # absent, or an empty section in the YAML
+                    node[k] = {}
+                node = node[k]
+                if not isinstance(node, dict):
+                    raise ConfigError(f"{k}: expected a mapping, got {type(node).__name__} {node!r}")
             node[leaf] = value
     cfg = validate_config(raw, calibration)
     if cfg["name"] == "experiment":
-        cfg["name"] = p.stem
+        cfg["name"] = stem
     return cfg
 
 
@@ -187,11 +252,6 @@ def _check_length(spec: dict[str, Any], key: str) -> None:
         raise ConfigError(f"{key}.low: must be <= {key}.high ({spec['high']}), got {spec['low']}")
     if spec["min"] > spec["max"]:
         raise ConfigError(f"{key}.min: must be <= {key}.max ({spec['max']}), got {spec['min']}")
-
-
-def max_length(spec: dict[str, Any]) -> int:
-    top = {"fixed": spec["value"], "uniform": spec["high"], "lognormal": spec["max"]}[spec["dist"]]
-    return min(top, spec["max"])
 
 
 def validate_config(raw: Any, calibration: Calibration | None = None) -> dict[str, Any]:
@@ -215,8 +275,10 @@ def validate_config(raw: Any, calibration: Calibration | None = None) -> dict[st
         vals = cfg["sweep"][key]
         if vals is not None:
             for i, v in enumerate(vals):
-                if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
+                if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
                     raise ConfigError(f"sweep.{key}[{i}]: must be a number > 0, got {v!r}")
+                if not math.isfinite(v):
+                    raise ConfigError(f"sweep.{key}[{i}]: must be a finite number, got {v!r}")
     for i in range(len(cfg["runs"])):
         setup(cfg, i, calibration)  # resolve every run now, so impossible values fail before any simulation
     return cfg
@@ -279,10 +341,7 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
         raise ConfigError(f"{rkey}.{what.split(':')[0]}: {what} needs a CPU tier, but {ckey} is 0")
     w = cfg["workload"]
     if w["trace"] is None:
-        # A conversation resends every earlier turn; the system prompt is sent once.
-        turns = w["multi_turn"]["max_turns"] if w["multi_turn"]["prob"] > 0 else 1
-        longest = turns * (max_length(w["prompt_len"]) + max_length(w["output_len"]))
-        longest += w["system_prompts"]["length"] if w["system_prompts"]["count"] else 0
+        longest = longest_synthetic(w)
         if -(-longest // bs) > n_gpu - 1:
             raise ConfigError(
                 f"workload.prompt_len: the longest request ({longest} tokens) needs more than the "

@@ -8,8 +8,11 @@ loop's own ``now``; the random generator is injected by the simulator.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Hashable
 from typing import Any
+
+from tiered_kv.errors import InvalidArgumentError
 
 
 class EventLoop:
@@ -24,8 +27,15 @@ class EventLoop:
         self.trace: list[tuple[float, str, Hashable]] | None = [] if record_trace else None
 
     def schedule(self, time: float, kind: str, payload: Any = None) -> None:
+        """Queue an event at ``time``, which must be finite and not in the past.
+
+        A NaN time would compare false with everything and freeze the clock
+        (``max(now, nan)`` never advances); an infinite one would never come.
+        """
+        if not math.isfinite(time):
+            raise InvalidArgumentError(f"cannot schedule {kind!r} at a non-finite time ({time})")
         if time < self.now:
-            raise ValueError(f"cannot schedule {kind!r} at {time} before now={self.now}")
+            raise InvalidArgumentError(f"cannot schedule {kind!r} at {time} before now={self.now}")
         self._seq += 1
         heapq.heappush(self._heap, (time, self._seq, kind, payload))
 

@@ -1,4 +1,9 @@
-"""Hardware and model profiles (datasheet numbers live in ``configs/hardware`` and ``configs/models``)."""
+"""Hardware and model profiles (datasheet numbers live in ``configs/hardware`` and ``configs/models``).
+
+A config names a profile in one of three ways: the name of a shipped profile
+(``h200``), the path of the user's own YAML file (anything ending in
+``.yaml``/``.yml`` or containing a ``/``), or an inline mapping.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.sim.files import read_yaml
 from tiered_kv.sim.schema import Field, integer, non_negative, num, positive, validate
+from tiered_kv.sim.shipped import shipped, shipped_names
 from tiered_kv.storage.spec import DTYPE_BYTES
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 HARDWARE_SCHEMA = {
     "name": Field((str,), "custom"),
     "memory_gib": num(80.0, positive),
     "peak_bf16_flops": num(1e15, positive),
     "hbm_bytes_per_s": num(3e12, positive),
-    "pcie_gbps_per_direction": num(64.0, non_negative),
+    "pcie_gbps_per_direction": num(64.0, non_negative, allow_inf=True),
     "pcie_efficiency": num(0.78, lambda v: None if 0 < v <= 1 else f"must be in (0, 1], got {v}"),
     "per_copy_overhead_s": num(10e-6, non_negative),
 }
@@ -89,19 +94,22 @@ class ModelProfile:
         return self.num_heads * self.head_dim // self.tensor_parallel
 
 
+def is_path_ref(ref: str) -> bool:
+    """A profile reference that is a file path rather than the name of a shipped profile."""
+    return ref.endswith((".yaml", ".yml")) or "/" in ref or "\\" in ref
+
+
 def _load(ref: Any, kind: str, schema: dict, key: str) -> dict[str, Any]:
     if isinstance(ref, dict):
         return validate(ref, schema, key)
     if not isinstance(ref, str):
         raise ConfigError(f"{key}: expected a profile name or a mapping, got {type(ref).__name__} {ref!r}")
-    import yaml
-
-    is_path = ref.endswith((".yaml", ".yml")) or "/" in ref
-    path = Path(ref) if is_path else CONFIG_DIR / kind / f"{ref}.yaml"
-    if not path.exists():
-        known = sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
-        raise ConfigError(f"{key}: no {kind} profile {ref!r} (known: {', '.join(known)})")
-    return validate(yaml.safe_load(path.read_text()), schema, key)
+    if is_path_ref(ref):
+        return validate(read_yaml(Path(ref), key), schema, key)
+    found = shipped(kind, ref)
+    if found is None:
+        raise ConfigError(f"{key}: no {kind} profile {ref!r} (known: {', '.join(shipped_names(kind))})")
+    return validate(read_yaml(found, key), schema, key)
 
 
 def load_hardware(ref: Any, key: str = "hardware") -> HardwareProfile:

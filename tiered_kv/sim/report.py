@@ -7,7 +7,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.errors import OutputError
 from tiered_kv.sim.config import RunSetup
+from tiered_kv.sim.extras import import_extra
+from tiered_kv.sim.files import make_dir, write_text
 
 
 def demand_ratio(cfg: dict[str, Any], setup: RunSetup, workload: Sequence[Any]) -> float:
@@ -42,8 +45,8 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    """Write ``doc`` with sorted keys, so equal results are equal files."""
+    write_text(path, json.dumps(doc, indent=1, sort_keys=True), "--json")
 
 
 def _save(fig: Any, path: Path, title: str) -> Path:
@@ -52,19 +55,22 @@ def _save(fig: Any, path: Path, title: str) -> Path:
 
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise OutputError(f"--plots {path}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)
     return path
 
 
 def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
     """Usage over time, latency CDFs, and the policies side by side."""
-    import matplotlib
-
+    matplotlib = import_extra("matplotlib", "--plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    outdir.mkdir(parents=True, exist_ok=True)
+    make_dir(outdir, "--plots")
     paths = []
 
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
@@ -115,12 +121,11 @@ def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
 
 
 def plot_sweep(rows: list[dict[str, Any]], outdir: Path, title: str) -> Path:
-    import matplotlib
-
+    matplotlib = import_extra("matplotlib", "--plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    outdir.mkdir(parents=True, exist_ok=True)
+    make_dir(outdir, "--plots")
     rates = sorted({r["rate"] for r in rows})
     fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):

@@ -1,4 +1,4 @@
-"""``tiered-kv simulate`` and ``tiered-kv sweep``: run configs, print, write JSON and plots."""
+"""``tiered-kv simulate``: run every entry of a config's ``runs`` on one workload; print, write JSON and plots."""
 
 from __future__ import annotations
 
@@ -7,11 +7,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import load_calibration
 from tiered_kv.sim.config import load_config, setup
-from tiered_kv.sim.report import demand_ratio, plot, plot_sweep, table, write_json
-from tiered_kv.sim.simulator import Simulator, stderr_progress
-from tiered_kv.sim.workload import generate
+from tiered_kv.sim.extras import import_extra
+from tiered_kv.sim.progress import Progress
+from tiered_kv.sim.report import demand_ratio, plot, table, write_json
+from tiered_kv.sim.simulator import Simulator
+from tiered_kv.sim.sweep import sweep
+
+__all__ = ["simulate", "sweep"]  # sweep lives in its own module; re-exported for existing callers
 
 
 def simulate(
@@ -25,13 +30,19 @@ def simulate(
 ) -> dict[str, Any]:
     """Run every ``runs`` entry of a config on one workload; return the results document.
 
-    With ``calibration`` (from ``tiered-kv crossover``) the measured model, link
-    and step times replace the config's hardware and model profiles.
+    ``config`` is a path, the name of a shipped config, or None for the main
+    experiment.  With ``calibration`` (from ``tiered-kv crossover``) the
+    measured model, link and step times replace the config's hardware and
+    model profiles.  The workload's memory and time are estimated first, and a
+    config that could not finish on this machine is refused before anything runs.
     """
     cal = load_calibration(calibration) if calibration is not None else None
     cfg = load_config(config, overrides, cal)
-    workload = generate(cfg["workload"], cfg["seed"])
-    first = setup(cfg, 0, cal)
+    setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
+    if plots_dir is not None:
+        import_extra("matplotlib", "--plots")  # before the run, not after it
+    workload = build_workload(cfg, setups)
+    first = setups[0]
     ratio = demand_ratio(cfg, first, workload)
     where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
     emit(
@@ -40,16 +51,22 @@ def simulate(
         f"KV demand of {cfg['scheduler']['max_num_seqs']} running requests = {ratio:.2f}x the GPU pool"
     )
     results = []
-    for i in range(len(cfg["runs"])):
-        st = setup(cfg, i, cal)
-        t0 = time.perf_counter()
-        res = Simulator(st, workload, progress=stderr_progress(st.name) if progress else None).run()
-        wall = time.perf_counter() - t0
-        emit(
-            f"  {st.name}: {res['makespan_s']:.1f} simulated s in {wall:.1f} wall s "
-            f"({res['makespan_s'] / wall:.1f} sim-s/s, {len(workload) / wall:.0f} requests/s)"
-        )
-        results.append(res)
+    n = len(workload)
+    with Progress("simulate", n * len(setups), "requests", enabled=progress) as prog:
+        say = prog.wrap(emit)
+        for i, st in enumerate(setups):
+
+            def hook(done: int, total: int, sim_t: float, base: int = i * n, name: str = st.name) -> None:
+                prog.update(base + done, f"{name}, simulated {sim_t:.0f} s")
+
+            t0 = time.perf_counter()
+            res = Simulator(st, workload, progress=hook).run()
+            wall = time.perf_counter() - t0
+            say(
+                f"  {st.name}: {res['makespan_s']:.1f} simulated s in {wall:.1f} wall s "
+                f"({res['makespan_s'] / wall:.1f} sim-s/s, {n / wall:.0f} requests/s)"
+            )
+            results.append(res)
     emit("")
     emit(table(results))
     doc = {
@@ -66,73 +83,4 @@ def simulate(
     if plots_dir is not None:
         for p in plot(results, plots_dir, cfg["name"]):
             emit(f"wrote {p}")
-    return doc
-
-
-def sweep(
-    config: str | Path,
-    json_path: Path | None = None,
-    plots_dir: Path | None = None,
-    emit: Callable[[str], None] = print,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Cross the config's runs with ``sweep.gpu_kv_gib`` and ``sweep.rate``."""
-    base = load_config(config)
-    mems = base["sweep"]["gpu_kv_gib"] or [base["memory"]["gpu_kv_gib"]]
-    rates = base["sweep"]["rate"] or [base["workload"]["arrival"]["rate"]]
-    rows: list[dict[str, Any]] = []
-    for rate in rates:
-        for mem in mems:
-            cfg = load_config(config, {"workload.arrival.rate": rate, "memory.gpu_kv_gib": mem})
-            workload = generate(cfg["workload"], cfg["seed"])
-            for i, run in enumerate(cfg["runs"]):
-                st = setup(cfg, i)
-                name = f"{st.name} kv={mem:g} rate={rate:g}"
-                res = Simulator(st, workload, progress=stderr_progress(name) if progress else None).run()
-                rows.append(
-                    {
-                        "run": run["name"],
-                        "policy": run["policy"],
-                        "mode": run["mode"],
-                        "rate": rate,
-                        "gpu_kv_gib": mem,
-                        "throughput_rps": res["throughput_rps"],
-                        "e2e_p99_s": res["e2e_s"]["p99"],
-                        "preemptions": res["preemptions_swap"] + res["preemptions_recompute"],
-                    }
-                )
-    runs = list(dict.fromkeys(r["run"] for r in rows))
-    emit(
-        f"{'rate':>6} {'GPU KV GiB':>10} "
-        + " ".join(f"{n[:20]:>20}" for n in runs)
-        + "   cost-aware >= best fixed mode"
-    )
-    verdicts = []
-    for rate in rates:
-        for mem in mems:
-            cell = {r["run"]: r for r in rows if r["rate"] == rate and r["gpu_kv_gib"] == mem}
-            fixed = [r["throughput_rps"] for r in cell.values() if r["mode"] in ("swap", "recompute")]
-            smart = [r["throughput_rps"] for r in cell.values() if r["policy"] == "cost_aware" and r["mode"] == "auto"]
-            verdict = None
-            if fixed and smart:
-                verdict = min(smart) >= max(fixed)
-                verdicts.append(
-                    {
-                        "rate": rate,
-                        "gpu_kv_gib": mem,
-                        "cost_aware_at_least_best_fixed": verdict,
-                        "ratio_to_best_fixed": min(smart) / max(fixed),
-                    }
-                )
-            emit(
-                f"{rate:6g} {mem:10g} "
-                + " ".join(f"{cell[n]['throughput_rps']:20.2f}" for n in runs)
-                + ("" if verdict is None else f"   {'yes' if verdict else 'NO'} ({min(smart) / max(fixed):.3f}x)")
-            )
-    doc = {"name": base["name"], "rows": rows, "verdicts": verdicts}
-    if json_path is not None:
-        write_json(json_path, doc)
-        emit(f"\nwrote {json_path}")
-    if plots_dir is not None:
-        emit(f"wrote {plot_sweep(rows, plots_dir, base['name'] + ' sweep')}")
     return doc

@@ -4,6 +4,11 @@ A schema maps keys to :class:`Field` (a leaf) or to a nested schema (a mapping).
 ``validate`` returns a new dict with defaults filled in, or raises
 :class:`~tiered_kv.errors.ConfigError` with messages such as
 ``workload.arrival.rate: must be > 0, got -1``.
+
+Numbers are finite unless a field says otherwise: a NaN compares false with
+everything, so one NaN arrival rate or step time would stall the simulated
+clock forever; infinity is allowed only where it means something (a link with
+infinite bandwidth is a free link).
 """
 
 from __future__ import annotations
@@ -21,13 +26,17 @@ Check = Callable[[Any], str | None]
 
 @dataclass(frozen=True)
 class Field:
-    """A leaf: allowed types, default, choices and extra checks (each returns an error or None)."""
+    """A leaf: allowed types, default, choices and extra checks (each returns an error or None).
+
+    ``allow_inf`` admits ``.inf`` in a numeric field; NaN is never admitted.
+    """
 
     types: tuple[type, ...]
     default: Any = REQUIRED
     choices: tuple[Any, ...] | None = None
     checks: tuple[Check, ...] = field(default_factory=tuple)
     nullable: bool = False
+    allow_inf: bool = False
 
     def type_name(self) -> str:
         names = {
@@ -68,8 +77,8 @@ def finite(v: Any) -> str | None:
 NUM = (int, float)
 
 
-def num(default: Any = REQUIRED, *checks: Check, nullable: bool = False) -> Field:
-    return Field(NUM, default, None, checks, nullable)
+def num(default: Any = REQUIRED, *checks: Check, nullable: bool = False, allow_inf: bool = False) -> Field:
+    return Field(NUM, default, None, checks, nullable, allow_inf)
 
 
 def integer(default: Any = REQUIRED, *checks: Check) -> Field:
@@ -120,6 +129,8 @@ def validate(data: Any, schema: Mapping[str, Any], path: str = "") -> dict[str, 
                 except ValueError:
                     pass
             raise ConfigError(f"{full}: expected {spec.type_name()}, got {type(v).__name__} {v!r}{hint}")
+        if isinstance(v, float) and not math.isfinite(v) and (math.isnan(v) or not spec.allow_inf):
+            raise ConfigError(f"{full}: must be a finite number, got {v}")
         if spec.choices is not None and v not in spec.choices:
             raise ConfigError(f"{full}: must be one of {list(spec.choices)}, got {v!r}")
         for check in spec.checks:

@@ -8,7 +8,6 @@ deterministic dict: identical seed and config give identical output.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -264,22 +263,3 @@ class Simulator:
             "usage": [[round(x, 6) for x in u] for u in usage[::stride]],
             "latency_samples": {"ttft_s": sorted(ttft), "e2e_s": sorted(e2e)},
         }
-
-
-def stderr_progress(name: str) -> Callable[[int, int, float], None]:
-    """A one-line progress bar on stderr (only when stderr is a terminal)."""
-    tty = sys.stderr.isatty()
-
-    def report(done: int, total: int, sim_t: float) -> None:
-        if not tty:
-            return
-        width = 30
-        fill = int(width * done / total) if total else width
-        sys.stderr.write(
-            f"\r{name:24.24} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} requests, simulated {sim_t:8.1f} s"
-        )
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return report

@@ -12,18 +12,16 @@ Each case prints a table row and, with ``--json``, writes one JSON row with
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
+from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import LAYOUTS, LLAMA3_8B, KVSpec
+from tiered_kv.tools.bench_transfer_cmd import ENGINES
 from tiered_kv.transfer.factory import available_kinds, make_copy_engine
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
 
@@ -39,8 +37,24 @@ def _best(fn: Callable[[], float], repeats: int) -> float:
     return min(fn() for _ in range(repeats))
 
 
+def check_engines(engines: Sequence[str]) -> None:
+    """Refuse an engine this machine cannot run, so a row is never labelled with an engine that did not run it."""
+    for name in engines:
+        if name not in ENGINES:
+            raise InvalidArgumentError(f"--engines: unknown engine {name!r} (choose from {', '.join(ENGINES)})")
+        if name in ("cuda", "cupy") and not torch.cuda.is_available():
+            raise InvalidArgumentError(f"--engines {name}: needs a CUDA device, and torch sees none here")
+        if name == "cupy":
+            try:
+                import cupy  # noqa: F401
+            except ImportError:
+                raise InvalidArgumentError(
+                    "--engines cupy: cupy is not installed (pip install 'tiered-kv[cupy]')"
+                ) from None
+
+
 def make_engine(tiers: dict[str, KVStorage], name: str):
-    """The engine ``name`` ("cpu", "cuda" or "cupy"); an engine this machine lacks raises, never falls back."""
+    """The copy engine called ``name`` (one of :data:`ENGINES`) over ``tiers``; never a silent fallback."""
     return make_copy_engine(tiers, name)
 
 
@@ -110,6 +124,7 @@ def run_cases(
     cuda = torch.cuda.is_available()
     if engines is None:
         engines = [k for k in available_kinds() if k != "cpu"] or ["cpu"]
+    check_engines(engines)
     rows: list[dict[str, object]] = []
     emit(
         f"{'engine':10} {'layout':16} {'tok':>4} {'pattern':12} {'dir':5} {'MiB':>6} {'GB/s':>8} "
@@ -211,34 +226,3 @@ def _vllm_v0_loop(
                 f"{moved / dt / GB:8.2f}"
             )
     return rows
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tiered-kv bench-transfer", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, help="write one JSON row per case")
-    ap.add_argument("--mib", type=int, default=128, help="MiB moved per case and direction")
-    ap.add_argument("--block-tokens", default="16,32,64,128")
-    ap.add_argument("--layouts", default=",".join(LAYOUTS))
-    ap.add_argument("--engines", default=None, help="cpu, cuda, cupy (default: what this machine has)")
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args(argv)
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU only"
-    print(
-        f"device: {dev}; torch {torch.__version__}; KV shape {LLAMA3_8B.num_layers} layers x "
-        f"{LLAMA3_8B.num_kv_heads} KV heads x {LLAMA3_8B.head_dim} {LLAMA3_8B.dtype}"
-    )
-    rows = run_cases(
-        block_tokens=[int(x) for x in args.block_tokens.split(",")],
-        layouts=args.layouts.split(","),
-        bytes_per_case=args.mib << 20,
-        engines=args.engines.split(",") if args.engines else None,
-        repeats=args.repeats,
-    )
-    if args.json:
-        args.json.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-        print(f"wrote {len(rows)} rows to {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
