@@ -1,12 +1,13 @@
-"""Tier-manager overhead per scheduler step, with 256 running requests under preemption churn.
+"""Scheduling overhead per step, with 256 running requests under preemption churn.
 
-A minimal continuous-batching loop drives the real TierManager: every step it
-settles finished copies, resumes swapped requests while they fit, admits new
-ones (shared system prompts, so prefix hits in both tiers), grows every
-runnable request by one token and preempts (policy + auto mode) when growth
-does not fit.  The copy engine completes every plan at once, so the time is
-the manager's bookkeeping alone.  Prints microseconds per step, broken down
-by operation, for each victim policy.
+The real Scheduler drives the real TierManager: every step it applies finished
+copies, schedules running requests (preempting by the policy, each victim by
+the mode its quote chooses), resumes swapped requests and admits new ones
+(shared system prompts, so prefix hits on both tiers).  The copy engine
+completes every plan at once and nothing is computed, so the time is the
+bookkeeping alone.  It prints microseconds per step: the whole step
+(``schedule`` + ``update``), and the part spent inside the tier manager, by
+operation, for each victim policy.
 
 Usage: python benchmarks/bench_manager.py [--steps N] [--running 256] [--json PATH]
 """
@@ -14,6 +15,7 @@ Usage: python benchmarks/bench_manager.py [--steps N] [--running 256] [--json PA
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -25,14 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _trace import make_trace
 
 from tiered_kv.core import Request
-from tiered_kv.manager import CostModel, RequestState, TierManager
+from tiered_kv.manager import CostModel, TierManager
+from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.transfer import TransferHandle, TransferPlan, TransferStatus
 
 BLOCK_SIZE = 16
+TIMED = ("admit", "allocate", "preempt", "resume", "poll", "free", "quote", "on_tokens_computed", "blocks_short")
 
 
 class InstantCopyEngine:
-    """Completes every plan on submission (no bytes): isolates manager overhead."""
+    """Completes every plan on submission (no bytes): isolates the bookkeeping."""
 
     def submit(self, plan: TransferPlan) -> TransferHandle:
         h = TransferHandle(plan)
@@ -41,6 +45,29 @@ class InstantCopyEngine:
 
     def cancel(self, handle: TransferHandle) -> bool:
         return False
+
+
+def instrument(tm: TierManager, t: dict[str, float], n: dict[str, int]) -> None:
+    """Time the manager's public calls the scheduler makes (outermost call only)."""
+    clock = time.perf_counter
+    depth = [0]
+    for name in TIMED:
+        fn = getattr(tm, name)
+
+        @functools.wraps(fn)
+        def timed(*a, _fn=fn, _name=name, **kw):
+            if depth[0]:
+                return _fn(*a, **kw)
+            depth[0] += 1
+            t0 = clock()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                t[_name] += clock() - t0
+                n[_name] += 1
+                depth[0] -= 1
+
+        setattr(tm, name, timed)
 
 
 def run(
@@ -54,117 +81,48 @@ def run(
         prefill_tokens_per_s=20_000.0,
     )
     tm = TierManager(
-        gpu_blocks,
-        cpu_blocks,
-        BLOCK_SIZE,
-        InstantCopyEngine(),
-        cost_model=cm,
-        policy=policy,
-        mode="auto",
-        offload=offload,
-        hash_fn=hash_fn,
+        gpu_blocks, cpu_blocks, BLOCK_SIZE, InstantCopyEngine(), cost_model=cm, offload=offload, hash_fn=hash_fn
+    )
+    sched = Scheduler(
+        tm, SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=running_target, policy=policy, mode="auto")
     )
     trace = deque(make_trace(max(steps * 8, 2000), seed=1))
     outputs: dict[object, list[int]] = {}
-    running: list[object] = []
-    swapped: deque = deque()
-    waiting: deque = deque()  # preempted for recompute, re-admitted first
-    t = defaultdict(float)
-    n = defaultdict(int)
+    t: dict[str, float] = defaultdict(float)
+    n: dict[str, int] = defaultdict(int)
+    instrument(tm, t, n)
     clock = time.perf_counter
-
-    def timed(name, fn, *a):
-        t0 = clock()
-        r = fn(*a)
-        t[name] += clock() - t0
-        n[name] += 1
-        return r
-
     measured_from = steps // 5  # warm-up: fill the pool first
+    step_s = 0.0
     for step in range(steps):
         if step == measured_from:
             t.clear()
             n.clear()
-            t_start = clock()
-        timed("poll", tm.poll)
-        while swapped:
-            rid = swapped[0]
-            res = timed("resume", tm.resume, rid)
-            if res is None:
-                break
-            swapped.popleft()
-            running.append(rid)
-        while len(running) < running_target and (waiting or trace):
-            req = waiting[0] if waiting else None
-            if req is None:
-                tr = trace[0]
-                req = Request(tr.rid, tr.prompt)
-                outputs[tr.rid] = tr.output
-            res = timed("admit", tm.admit, req, req.num_tokens)
-            if res is None:
-                break
-            if waiting and waiting[0] is req:
-                waiting.popleft()
-            else:
-                trace.popleft()
-            if res.runnable:
-                req.num_computed_tokens += res.num_new_tokens
-            running.append(req.request_id)
-        still = []
-        for rid in running:
-            st = tm.state(rid)
-            if st is not RequestState.RUNNING:
-                if st is RequestState.SWAPPED:
-                    swapped.append(rid)
-                elif st is RequestState.PREEMPTED:
-                    waiting.append(tm._entries[rid].request)
-                else:
-                    still.append(rid)
-                continue
-            if not tm.is_runnable(rid):
-                still.append(rid)
-                continue
-            req = tm._entries[rid].request
-            pending = req.num_tokens - req.num_computed_tokens
-            if pending == 0:
-                out = outputs[rid]
-                if req.num_output_tokens >= len(out):
-                    timed("finish", tm.finish, rid)
-                    continue
-                req.append_output_token_ids(out[req.num_output_tokens])
-                pending = 1
-            new = timed("allocate", tm.allocate, rid, pending)
-            while new is None:
-                res = timed("preempt", tm.preempt, 1, None, None, (rid,))
-                if res is None:
-                    break
-                timed("poll", tm.poll)
-                new = timed("allocate", tm.allocate, rid, pending)
-            if new is None:
-                timed("preempt_self", tm.preempt_request, rid, "recompute")
-                waiting.append(req)
-                continue
-            in_prefill = req.num_computed_tokens < req.num_prompt_tokens
-            req.num_computed_tokens += pending
-            if in_prefill:  # only prompt steps can fill blocks to write through
-                timed("on_tokens_computed", tm.on_tokens_computed, rid)
-            still.append(rid)
-        # requests preempted as victims this step leave the running list next step
-        running = still
-    wall = clock() - t_start
+            step_s = 0.0
+        while len(sched.waiting) < 8 and trace:
+            tr = trace.popleft()
+            outputs[tr.rid] = tr.output
+            sched.add_request(Request(tr.rid, tr.prompt, max_tokens=len(tr.output)))
+        t0 = clock()
+        out = sched.schedule()
+        sampled = {
+            r.request_id: outputs[r.request_id][r.num_output_tokens] for r, k in out.scheduled if out.needs_sample(r, k)
+        }
+        sched.update(out, sampled)
+        step_s += clock() - t0
     measured = steps - measured_from
-    m = tm.metrics()
+    m = sched.metrics()
     c = m.counters
     return {
         "policy": policy,
         "steps": measured,
-        "us_per_step": wall / measured * 1e6,
+        "us_per_step": step_s / measured * 1e6,
         "manager_us_per_step": sum(t.values()) / measured * 1e6,
         "breakdown_us_per_step": {k: v / measured * 1e6 for k, v in sorted(t.items())},
         "calls": dict(n),
         "preemptions_swap": c.preemptions_swap,
         "preemptions_recompute": c.preemptions_recompute,
-        "running_at_end": len(running),
+        "running_at_end": len(sched.running),
         "gpu_usage": m.gpu_usage,
         "gpu_hit_rate": m.gpu_hit_rate,
         "cpu_hit_rate": m.cpu_hit_rate,
@@ -177,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--running", type=int, default=256)
     ap.add_argument("--gpu-blocks", type=int, default=3500)
     ap.add_argument("--cpu-blocks", type=int, default=12000)
-    ap.add_argument("--hash", default="sha256", choices=["sha256", "fast"])
+    ap.add_argument("--hash", default="sha256", choices=["sha256", "fast", "xxh3_128"])
     ap.add_argument("--offload", default="write_through", choices=["none", "write_through", "on_evict"])
     ap.add_argument("--policies", default="lru,largest,prefill_aware,cost_aware")
     ap.add_argument("--repeats", type=int, default=3, help="runs per policy; the fastest is reported")
@@ -185,25 +143,28 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     print(
         f"{args.running} running, GPU {args.gpu_blocks} x {BLOCK_SIZE}-token blocks, CPU {args.cpu_blocks}, "
-        f"hash {args.hash}, offload {args.offload}, {args.steps} steps (first 20% warm-up)"
+        f"hash {args.hash}, offload {args.offload}, {args.steps} steps (first 20% warm-up), best of {args.repeats}"
     )
-    rows = [
-        run(p, args.steps, args.running, args.gpu_blocks, args.cpu_blocks, args.hash, args.offload)
-        for p in args.policies.split(",")
-    ]
+    rows = []
+    for p in args.policies.split(","):
+        runs = [
+            run(p, args.steps, args.running, args.gpu_blocks, args.cpu_blocks, args.hash, args.offload)
+            for _ in range(args.repeats)
+        ]
+        rows.append(min(runs, key=lambda r: r["us_per_step"]))
     ops = sorted({k for r in rows for k in r["breakdown_us_per_step"]})
     print(
-        f"\n{'policy':14} {'manager us/step':>15} {'loop us/step':>12} {'swap':>6} {'recomp':>6}  "
+        f"\n{'policy':14} {'step us':>8} {'manager us':>10} {'swap':>6} {'recomp':>6}  "
         + " ".join(f"{o[:10]:>10}" for o in ops)
     )
     for r in rows:
         b = r["breakdown_us_per_step"]
         print(
-            f"{r['policy']:14} {r['manager_us_per_step']:15.1f} {r['us_per_step']:12.1f} "
+            f"{r['policy']:14} {r['us_per_step']:8.1f} {r['manager_us_per_step']:10.1f} "
             f"{r['preemptions_swap']:6d} {r['preemptions_recompute']:6d}  "
             + " ".join(f"{b.get(o, 0.0):10.1f}" for o in ops)
         )
-    print("\ngoal: manager overhead < 500 us per step (a vLLM scheduler step is ~2 ms; an 8B GPU step ~5 ms)")
+    print("\ngoal: scheduling overhead <= 500 us per step (an 8B model's GPU step is ~5 ms)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -39,10 +39,34 @@ def test_from_flops():
     cm = CostModel.from_flops(
         kv_bytes_per_token=131072, num_params=8e9, num_layers=32, attn_dim=4096, peak_flops=989e12, mfu=0.5
     )
-    assert math.isclose(cm.prefill_tokens_per_s, 989e12 * 0.5 / 16e9)
-    assert math.isclose(cm.prefill_quadratic_s_per_token2, 2 * 32 * 4096 / (989e12 * 0.5))
+    rate = 989e12 * 0.5
+    assert math.isclose(cm.prefill_tokens_per_s, rate / 16e9)
+    # The docstring's attention FLOPs, 2 * layers * L^2 * attn_dim (QK^T and PV, causal), at the same rate.
+    for length in (512, 4096, 32768):
+        attention = cm.prefill_time(length) - length / cm.prefill_tokens_per_s
+        assert math.isclose(attention, 2 * 32 * length**2 * 4096 / rate)
+    assert math.isclose(cm.prefill_quadratic_s_per_token2, 4 * 32 * 4096 / rate)
     with pytest.raises(ConfigError, match="mfu"):
         CostModel.from_flops(1, 1e9, 1, 1, 1e12, 1.5)
+
+
+def test_from_flops_agrees_with_the_simulators_compute_model():
+    """The manager's recompute estimate and the simulator's step time count the same FLOPs."""
+    from tiered_kv.sim.compute import ComputeModel
+    from tiered_kv.sim.profiles import load_hardware, load_model
+
+    hw, model = load_hardware("h200"), load_model("llama3-8b")
+    compute = ComputeModel(hw, model, mfu=0.5, hbm_efficiency=0.8, step_overhead_s=0.0)
+    cm = CostModel.from_flops(
+        kv_bytes_per_token=model.kv_bytes_per_token,
+        num_params=model.params_per_gpu,
+        num_layers=model.num_layers,
+        attn_dim=model.attn_dim_per_gpu,
+        peak_flops=hw.peak_bf16_flops,
+        mfu=0.5,
+    )
+    assert math.isclose(cm.prefill_quadratic_s_per_token2, compute.prefill_quadratic())
+    assert math.isclose(cm.prefill_tokens_per_s, compute.prefill_tokens_per_s())
 
 
 def test_calibration_recovers_parameters_from_measurements():

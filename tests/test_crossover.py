@@ -5,13 +5,13 @@ import json
 import pytest
 from simutil import TINY
 
-from tiered_kv.engine.crossover import crossover, plot
 from tiered_kv.engine.model import ModelConfig
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.calibration import load_calibration
 from tiered_kv.sim.config import setup, validate_config
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.workload import generate
+from tiered_kv.tools.crossover import crossover, plot
 
 TINY_MODEL = ModelConfig(
     vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
@@ -71,7 +71,7 @@ def test_bad_calibration_files(tmp_path):
 def test_fidelity_reports_predicted_against_measured(measured, tmp_path):
     import yaml
 
-    from tiered_kv.engine.fidelity import METRICS, fidelity
+    from tiered_kv.tools.fidelity import METRICS, fidelity
 
     _, out = measured
     raw = {k: v for k, v in TINY.items() if k not in ("memory", "workload", "runs", "model")}

@@ -1,9 +1,10 @@
 """Imports point one way (DESIGN.md): a layer imports only the layers below it.
 
 Within a layer, only these edges exist: transfer -> storage (the engines move
-storage's bytes), engine -> sim (the scheduler lives beside the simulator and
-the real engine reuses it), and the command line -> its tools and demo.
-``errors`` sits below every layer.
+storage's bytes) and the command line -> its tools and demo.  The simulator and
+the real engine are both drivers of the scheduler and never import each other:
+the tools that compare them (crossover, fidelity) sit above both.  ``errors``
+and ``checks`` sit below every layer.
 """
 
 import ast
@@ -28,7 +29,6 @@ LAYER = {
 }
 ALLOWED_SIDEWAYS = {
     ("transfer", "storage"),
-    ("engine", "sim"),
     ("cli", "tools"),
     ("cli", "demo"),
     ("__init__", "errors"),

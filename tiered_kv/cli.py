@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from tiered_kv import __version__, demo
-from tiered_kv.engine import crossover_cmd, fidelity_cmd
 from tiered_kv.errors import TieredKVError
 from tiered_kv.sim import simulate_cmd, sweep_cmd
-from tiered_kv.tools import bench_transfer_cmd
+from tiered_kv.tools import bench_transfer_cmd, crossover_cmd, fidelity_cmd
 
 PROG = "tiered-kv"
 

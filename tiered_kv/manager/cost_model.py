@@ -75,7 +75,8 @@ class CostModel:
         return cls(
             kv_bytes_per_token=kv_bytes_per_token,
             prefill_tokens_per_s=rate / (2.0 * num_params),
-            prefill_quadratic_s_per_token2=2.0 * num_layers * attn_dim / rate,
+            # prefill_time charges q * L^2 / 2 for attention; 2 * layers * L^2 * d FLOPs need q = 4 * layers * d / rate.
+            prefill_quadratic_s_per_token2=4.0 * num_layers * attn_dim / rate,
             **kw,  # type: ignore[arg-type]
         )
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 
+from tiered_kv.core.block_pool import BlockPool
+from tiered_kv.manager.states import Residency
+from tiered_kv.manager.store import BlockStore
 from tiered_kv.transfer.plan import PlanKind
 
 _MOVED = {
@@ -32,6 +36,8 @@ class TierCounters:
     plans_submitted: int = 0  # filled in from the copies in flight when a snapshot is taken
     plans_failed: int = 0
     plans_cancelled: int = 0
+    gpu_blocks_evicted: int = 0  # cached GPU blocks whose data was dropped when the block was handed out
+    cpu_blocks_evicted: int = 0  # filled in from the store's statistics when a snapshot is taken
     gpu_query_tokens: int = 0
     gpu_hit_tokens: int = 0
     cpu_query_tokens: int = 0
@@ -104,3 +110,34 @@ class MetricsSnapshot:
             requests_by_residency=dict(self.requests_by_residency),
         )
         return d
+
+
+def snapshot(
+    counters: TierCounters,
+    submitted: int,
+    in_flight: int,
+    pool: BlockPool,
+    store: BlockStore | None,
+    residencies: Iterable[Residency],
+) -> MetricsSnapshot:
+    """A snapshot of the manager's counters (copied) and of the tiers' gauges now."""
+    by_residency: dict[str, int] = {}
+    for r in residencies:
+        by_residency[r.value] = by_residency.get(r.value, 0) + 1
+    c = counters.copy()
+    c.plans_submitted = submitted
+    if store is not None:
+        c.cpu_blocks_evicted = store.stats.evictions
+    return MetricsSnapshot(
+        counters=c,
+        gpu_blocks=pool.num_blocks - 1,
+        cpu_blocks=store.num_blocks - 1 if store is not None else 0,
+        gpu_usage=pool.get_usage(),
+        cpu_usage=store.usage if store is not None else 0.0,
+        gpu_free_blocks=pool.get_num_free_blocks(),
+        cpu_free_blocks=store.num_free if store is not None else 0,
+        cpu_cached_blocks=store.num_used if store is not None else 0,
+        cpu_pinned_blocks=store.num_pinned + store.num_pending if store is not None else 0,
+        plans_in_flight=in_flight,
+        requests_by_residency=by_residency,
+    )

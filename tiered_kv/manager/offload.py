@@ -93,6 +93,16 @@ class Offloader:
         order = [i for i in range(len(keys)) if i in take or i not in absent]
         return self._store([blocks[i] for i in order], [keys[i] for i in order], None, True)
 
+    def cpu_hits(self, request: Request, start: int) -> list[Key]:
+        """Keys of the request's prefix blocks found ready in the store, from block ``start`` on.
+
+        The last prompt token is always computed (its logits are needed), so
+        its block is never a hit, as on the GPU.
+        """
+        last = (request.num_tokens - 1) // self.gpu.block_size
+        rest = request.block_hashes[start:last]
+        return list(rest[: self.store.lookup_prefix(rest)])
+
     def start_load(self, request: Request, keys: list[Key], dst: list[KVCacheBlock], upto_tokens: int) -> Transfer:
         """Pin prefix hits in the store and copy them into ``dst``, the request's fresh GPU blocks."""
         spec = self.store.prepare_load(keys)

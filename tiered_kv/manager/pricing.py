@@ -11,8 +11,11 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from tiered_kv import checks
+from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.states import PreemptMode
+from tiered_kv.storage.spec import KVSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,3 +144,27 @@ def price(
         cpu_has_room=cpu_has_room,
         has_cpu_tier=has_cpu_tier,
     )
+
+
+def checked_cost_model(spec: KVSpec | None, cost_model: CostModel | None, engine: object, block_size: int) -> CostModel:
+    """The cost model, checked against the KV geometry of the storage in use."""
+    if spec is None:
+        spec = getattr(engine, "spec", None) if isinstance(getattr(engine, "spec", None), KVSpec) else None
+    if spec is not None:
+        checks.instance("kv_spec", spec, KVSpec)
+        if spec.block_size != block_size:
+            raise InvalidArgumentError(f"kv_spec block_size {spec.block_size} != manager block_size {block_size}")
+    if cost_model is None:
+        if spec is None:
+            raise InvalidArgumentError("give kv_spec= or a cost_model: the manager will not guess KV sizes")
+        return CostModel(kv_bytes_per_token=spec.bytes_per_token, block_size=block_size)
+    checks.instance("cost_model", cost_model, CostModel)
+    if cost_model.block_size != block_size:
+        raise InvalidArgumentError(f"cost model block_size {cost_model.block_size} != manager block_size {block_size}")
+    if spec is not None and cost_model.kv_bytes_per_token != spec.bytes_per_token:
+        raise InvalidArgumentError(
+            f"the cost model was built for {cost_model.kv_bytes_per_token} KV bytes per token, but the storage in "
+            f"use holds {spec.bytes_per_token} ({spec.num_layers} layers x {spec.num_kv_heads} KV heads x "
+            f"{spec.head_dim} x {spec.dtype}); build the cost model for this KV shape"
+        )
+    return cost_model

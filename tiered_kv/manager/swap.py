@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
+from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.pricing import Quote, price
 from tiered_kv.manager.store import BlockStore, Key, LoadStoreSpec
 from tiered_kv.manager.transfers import Transfer, Transfers
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind
@@ -95,6 +97,16 @@ class Swapper:
             keys.append(tail)
             private.append(tail)
         return keys, private
+
+    def quote(self, request: Request, cost_model: CostModel) -> Quote:
+        """Price preempting a request on the GPU: what a swap-out would copy and free, and the store's room."""
+        table = self.gpu.get_blocks(request.request_id)
+        n_tok = request.num_computed_tokens
+        freed = [b.block_id for b in table if b.ref_cnt == 1]
+        keys, _ = self.kv_keys(request, n_tok)
+        moved = [table[i].block_id for i, k in enumerate(keys) if not self.store.contains(k)]
+        room = self.store.room_for(keys) >= len(moved)
+        return price(cost_model, request.request_id, n_tok, len(table), freed, moved, len(moved), room, True)
 
     # ----------------------------------------------------------- swap-out
     def start_out(self, request: Request, num_tokens: int) -> Transfer | SwappedKV | None:

@@ -1,24 +1,16 @@
 """TierManager: where every request's KV lives, across a prefix-cached GPU pool and a CPU store.
 
-A thin front over four parts, each the one owner of its fact:
-
-* the GPU pool and block tables (:class:`~tiered_kv.core.KVCacheManager`);
-* the CPU tier, a hash-keyed store (:mod:`tiered_kv.manager.store`);
-* the copies in flight and the blocks they hold (:mod:`.transfers`);
-* the prices of preemption (:mod:`.pricing`).
-
-It returns outcomes and never writes a request's progress: the scheduler is
-the one owner of ``num_computed_tokens`` and applies what comes back.  It
-never touches tensor data either, so every decision is tested on the CPU with
-a copy engine whose completions the test controls.
+A thin front over parts that each own one fact: the GPU pool and block tables
+(:class:`~tiered_kv.core.KVCacheManager`), the CPU store keyed by block hash
+(:mod:`.store`), the copies in flight and what they hold (:mod:`.transfers`),
+and the prices of preemption (:mod:`.pricing`).  It returns outcomes and never
+writes a request's progress (the scheduler's) or touches tensor data.
 
 A block that a copy reads or writes is never handed to a new owner: copies hold
-the GPU blocks they read, loads pin the store blocks they read, and destinations
-are fresh blocks nobody can hit until the copy has landed.  A failed or
-cancelled copy leaves the request's KV where it was.
-
-Not thread-safe: one thread drives a manager; a second thread entering while the
-first is inside raises :class:`~tiered_kv.errors.ConcurrentUseError`.
+the GPU blocks they read, loads pin the store blocks they read, destinations
+are fresh blocks nobody can hit until the copy lands, and a failed or
+cancelled copy leaves the KV where it was.  Not thread-safe: a second thread
+entering raises :class:`~tiered_kv.errors.ConcurrentUseError`.
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ from dataclasses import dataclass
 
 from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
+from tiered_kv.core.events import BlockRemoved
 from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
@@ -36,10 +29,11 @@ from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, Unkno
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.guard import exclusive
-from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters
+from tiered_kv.manager.invariants import check_ownership
+from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, Preemption, Resumption
-from tiered_kv.manager.pricing import Quote, price
+from tiered_kv.manager.pricing import Quote, checked_cost_model, price
 from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, Residency
 from tiered_kv.manager.swap import SwappedKV, Swapper
 from tiered_kv.manager.transfers import Transfer, Transfers
@@ -114,9 +108,14 @@ class TierManager:
                 f"copy_engine must have submit() and cancel(), got {checks.describe(copy_engine)}"
             )
         self.gpu = KVCacheManager(
-            num_gpu_blocks, block_size, enable_caching=enable_caching, hash_fn=hash_fn, hash_seed=hash_seed
+            num_gpu_blocks,
+            block_size,
+            enable_caching=enable_caching,
+            hash_fn=hash_fn,
+            hash_seed=hash_seed,
+            enable_kv_cache_events=enable_caching,
         )
-        self.cost_model = _checked_cost_model(kv_spec, cost_model, copy_engine, block_size)
+        self.cost_model = checked_cost_model(kv_spec, cost_model, copy_engine, block_size)
         self.block_size = block_size
         self.caching = enable_caching
         self.store: CPUStore | None = CPUStore(num_cpu_blocks, store_policy) if num_cpu_blocks else None
@@ -188,13 +187,7 @@ class TierManager:
         A scheduler that cannot allocate counts these before it preempts anyone:
         waiting for a copy is cheaper than a preemption.
         """
-        n = 0
-        for t in self.transfers:
-            if t.plan.kind is PlanKind.SWAP_OUT:
-                n += sum(1 for b in self.gpu.get_blocks(t.plan.request_id) if b.ref_cnt == 1)
-            else:
-                n += sum(1 for b in t.gpu_holds if b.ref_cnt == 1)
-        return n
+        return self.transfers.blocks_freed_on_completion(self.gpu)
 
     @exclusive
     def plans_in_flight(self) -> list[TransferPlan]:
@@ -226,11 +219,7 @@ class TierManager:
                 f"request {rid!r}: a request to admit has no computed tokens, got {request.num_computed_tokens}"
             )
         gpu_hits, n_gpu = self.gpu.get_computed_blocks(request)
-        keys: list = []
-        if self.store is not None and self.caching:
-            last = (request.num_tokens - 1) // self.block_size  # the last prompt token is always computed
-            rest = request.block_hashes[len(gpu_hits) : last]
-            keys = list(rest[: self.store.lookup_prefix(rest)])
+        keys = self._off.cpu_hits(request, len(gpu_hits)) if self._off is not None and self.caching else []
         n_cpu = len(keys) * self.block_size
         n_new = min(max_new_tokens, request.num_tokens - n_gpu - n_cpu)
         need = self.gpu.num_blocks_to_allocate(request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens)
@@ -284,18 +273,12 @@ class TierManager:
     @exclusive
     def quote(self, request_id: Hashable) -> Quote:
         """What preempting a request whose KV is on the GPU would cost, by swap and by recompute."""
-        h = self._get(request_id, Residency.GPU)
-        req = h.request
-        table = self.gpu.get_blocks(req.request_id)
-        n_tok = req.num_computed_tokens
-        freed = [b.block_id for b in table if b.ref_cnt == 1]
+        req = self._get(request_id, Residency.GPU).request
         if self._swap is None:
-            return price(self.cost_model, req.request_id, n_tok, len(table), freed, [], 0, False, False)
-        assert self.store is not None
-        keys, _ = self._swap.kv_keys(req, n_tok)
-        moved = [table[i].block_id for i, k in enumerate(keys) if not self.store.contains(k)]
-        room = self.store.room_for(keys) >= len(moved)
-        return price(self.cost_model, req.request_id, n_tok, len(table), freed, moved, len(moved), room, True)
+            table = self.gpu.get_blocks(request_id)
+            freed = [b.block_id for b in table if b.ref_cnt == 1]
+            return price(self.cost_model, request_id, req.num_computed_tokens, len(table), freed, [], 0, False, False)
+        return self._swap.quote(req, self.cost_model)
 
     @exclusive
     def preempt(self, request_id: Hashable, mode: str = "auto") -> Preemption | None:
@@ -388,6 +371,7 @@ class TierManager:
         per scheduler step is often enough.
         """
         done = [self._settle(t) for t in self.transfers.finished()]
+        self._drain_events()
         if self.offload == "on_evict":
             assert self._off is not None
             self._off.save_window(self.evict_window)
@@ -435,118 +419,47 @@ class TierManager:
         kind, rid = t.plan.kind, t.plan.request_id
         ok, n_tok = t.ok, 0
         if kind is PlanKind.OFFLOAD:
-            assert self._off is not None
-            self._off.settle_store(t)
+            self._off.settle_store(t)  # type: ignore[union-attr]
         else:
             h = self._held[rid]
             h.plan_id = None
+            swap = self._swap
             if kind is PlanKind.ONBOARD:
-                assert self._off is not None
-                n_tok = self._off.settle_load(h.request, t)
-                if ok:
-                    h.residency = Residency.GPU
-                else:
-                    del self._held[rid]
+                n_tok = self._off.settle_load(h.request, t)  # type: ignore[union-attr]
+                new = Residency.GPU if ok else None  # a failed load leaves nothing: recompute from scratch
             elif kind is PlanKind.SWAP_OUT:
-                assert self._swap is not None
-                swapped = self._swap.settle_out(t)
-                ok = swapped is not None  # a copy that landed but left the KV incomplete on the CPU rolls back
-                if ok:
-                    h.residency, h.swapped, h.num_stored_blocks = Residency.CPU, swapped, 0
-                else:
-                    h.residency = Residency.GPU
-            else:  # SWAP_IN
-                assert self._swap is not None and h.swapped is not None
-                if self._swap.settle_in(h.request, t):
-                    n_tok, h.residency, h.swapped = h.swapped.num_tokens, Residency.GPU, None
-                else:
-                    h.residency = Residency.CPU
+                h.swapped = swap.settle_out(t)  # type: ignore[union-attr]
+                ok = h.swapped is not None  # landed but the KV is not whole on the CPU: rolled back
+                new, h.num_stored_blocks = (Residency.CPU if ok else Residency.GPU), 0
+            else:
+                ok = swap.settle_in(h.request, t)  # type: ignore[union-attr]
+                n_tok, new = (h.swapped.num_tokens, Residency.GPU) if ok else (0, Residency.CPU)  # type: ignore[union-attr]
+                h.swapped = None if ok else h.swapped
+            if new is None:
+                del self._held[rid]
+            else:
+                h.residency = new
         n = t.plan.num_blocks
         self.counters.count_copy(kind, n, n * self.cost_model.bytes_per_block, ok, t.cancelled)
-        p, hd = t.plan, t.handle
         res = self._held[rid].residency if rid in self._held else None
-        return Completion(p.plan_id, rid, kind, ok, n_tok, res, hd.num_bytes, hd.elapsed_s)
+        return Completion(t.plan.plan_id, rid, kind, ok, n_tok, res, t.handle.num_bytes, t.handle.elapsed_s)
 
     # ============================================================== metrics
     @exclusive
     def metrics(self) -> MetricsSnapshot:
-        by_residency: dict[str, int] = {}
-        for h in self._held.values():
-            by_residency[h.residency.value] = by_residency.get(h.residency.value, 0) + 1
-        pool, store = self.gpu.block_pool, self.store
-        counters = self.counters.copy()
-        counters.plans_submitted = self.transfers.submitted
-        return MetricsSnapshot(
-            counters=counters,
-            gpu_blocks=pool.num_blocks - 1,
-            cpu_blocks=store.num_blocks - 1 if store is not None else 0,
-            gpu_usage=pool.get_usage(),
-            cpu_usage=store.usage if store is not None else 0.0,
-            gpu_free_blocks=pool.get_num_free_blocks(),
-            cpu_free_blocks=store.num_free if store is not None else 0,
-            cpu_cached_blocks=store.num_used if store is not None else 0,
-            cpu_pinned_blocks=store.num_pinned + store.num_pending if store is not None else 0,
-            plans_in_flight=len(self.transfers),
-            requests_by_residency=by_residency,
-        )
+        """Counters (evictions as of the last ``poll``) and the gauges of this instant."""
+        residencies = [h.residency for h in self._held.values()]
+        t = self.transfers
+        return snapshot(self.counters, t.submitted, len(t), self.gpu.block_pool, self.store, residencies)
+
+    def _drain_events(self) -> None:
+        """Evictions reach the manager as the pool's events, drained here (the pool never calls up)."""
+        for ev in self.gpu.take_events():
+            if isinstance(ev, BlockRemoved):
+                self.counters.gpu_blocks_evicted += len(ev.block_hashes)
 
     @exclusive
     def check_invariants(self) -> None:
         """Assert ownership: every GPU ref is a table entry or a copy's hold; every store pin a swap's or a load's."""
-        pool = self.gpu.block_pool
-        pool.check_invariants()
-        owners = [0] * pool.num_blocks
-        for rid, h in self._held.items():
-            table = self.gpu.get_blocks(rid)
-            if h.residency is Residency.CPU:
-                assert not table, f"{rid!r} is swapped out but holds a GPU table"
-            for b in table:
-                owners[b.block_id] += 1
-        for bid, n in self.transfers.gpu_hold_counts().items():
-            owners[bid] += n
-        for b in pool.blocks[1:]:
-            assert b.ref_cnt == owners[b.block_id], (
-                f"GPU block {b.block_id}: {b.ref_cnt} refs, {owners[b.block_id]} owners"
-            )
-        if self.store is None:
-            return
-        self.store.check_invariants()
-        pins: dict[object, int] = {}
-        for h in self._held.values():
-            for k in h.swapped.keys if h.swapped is not None else ():
-                pins[k] = pins.get(k, 0) + 1
-        for t in self.transfers:
-            loading = getattr(t.payload, "keys", ()) if t.plan.kind is PlanKind.ONBOARD else ()
-            for k in (*loading, *getattr(t.payload, "pinned", ())):
-                pins[k] = pins.get(k, 0) + 1
-        for e in self.store.entries():
-            if e.ready:
-                assert e.ref_cnt == pins.get(e.key, 0), (
-                    f"store key {e.key!r}: {e.ref_cnt} pins, {pins.get(e.key)} owners"
-                )
-
-
-def _checked_cost_model(
-    spec: KVSpec | None, cost_model: CostModel | None, engine: object, block_size: int
-) -> CostModel:
-    """The cost model, checked against the KV geometry of the storage in use."""
-    if spec is None:
-        spec = getattr(engine, "spec", None) if isinstance(getattr(engine, "spec", None), KVSpec) else None
-    if spec is not None:
-        checks.instance("kv_spec", spec, KVSpec)
-        if spec.block_size != block_size:
-            raise InvalidArgumentError(f"kv_spec block_size {spec.block_size} != manager block_size {block_size}")
-    if cost_model is None:
-        if spec is None:
-            raise InvalidArgumentError("give kv_spec= or a cost_model: the manager will not guess KV sizes")
-        return CostModel(kv_bytes_per_token=spec.bytes_per_token, block_size=block_size)
-    checks.instance("cost_model", cost_model, CostModel)
-    if cost_model.block_size != block_size:
-        raise InvalidArgumentError(f"cost model block_size {cost_model.block_size} != manager block_size {block_size}")
-    if spec is not None and cost_model.kv_bytes_per_token != spec.bytes_per_token:
-        raise InvalidArgumentError(
-            f"the cost model was built for {cost_model.kv_bytes_per_token} KV bytes per token, but the storage in "
-            f"use holds {spec.bytes_per_token} ({spec.num_layers} layers x {spec.num_kv_heads} KV heads x "
-            f"{spec.head_dim} x {spec.dtype}); build the cost model for this KV shape"
-        )
-    return cost_model
+        swapped = {rid: h.swapped.keys if h.swapped is not None else None for rid, h in self._held.items()}
+        check_ownership(self.gpu, self.store, self.transfers, swapped)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.block_pool import BlockPool
+from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.errors import PlanError
 from tiered_kv.transfer.engine import CopyEngine
 from tiered_kv.transfer.plan import PlanKind, TransferHandle, TransferPlan, TransferStatus
@@ -164,6 +165,21 @@ class Transfers:
         if any(t.handle.done() for t in live):
             return True
         return live[0].handle.wait(timeout) or live[0].handle.done()
+
+    def blocks_freed_on_completion(self, gpu: KVCacheManager) -> int:
+        """GPU blocks that return to the free queue when the copies in flight settle.
+
+        A swap-out frees its victim's exclusive blocks; a store frees the blocks
+        only it still holds (their request finished, or they were saved before
+        eviction).
+        """
+        n = 0
+        for t in self._live.values():
+            if t.plan.kind is PlanKind.SWAP_OUT:
+                n += sum(1 for b in gpu.get_blocks(t.plan.request_id) if b.ref_cnt == 1)
+            else:
+                n += sum(1 for b in t.gpu_holds if b.ref_cnt == 1)
+        return n
 
     def gpu_hold_counts(self) -> dict[int, int]:
         """GPU block id -> holds by copies in flight (for the manager's ownership check)."""

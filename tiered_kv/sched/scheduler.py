@@ -269,10 +269,12 @@ class Scheduler:
         return p
 
     def _num_admitted(self) -> int:
-        return sum(1 for s in self.status.values() if s in (S.RUNNING, S.LOADING, S.SWAPPING_IN))
+        """Requests holding a seat: running, or with KV arriving (loading, swapping in)."""
+        return len(self.running) + sum(1 for s in self.status.values() if s is S.LOADING or s is S.SWAPPING_IN)
 
     def _resume(self, out: SchedulerOutput) -> None:
-        while self.swapped and self._num_admitted() < self.config.max_num_seqs:
+        seats = self.config.max_num_seqs - self._num_admitted()
+        while self.swapped and seats > 0:
             req = self.swapped[0]
             rid = req.request_id
             if self.status[rid] is not S.SWAPPED:
@@ -281,6 +283,7 @@ class Scheduler:
             if res is None:
                 return
             self.swapped.popleft()
+            seats -= 1
             out.resumed.append(rid)
             if res.plan is None:
                 req.num_computed_tokens = res.num_tokens
@@ -295,7 +298,8 @@ class Scheduler:
         return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and self._num_admitted() < self.config.max_num_seqs:
+        seats = self.config.max_num_seqs - self._num_admitted()
+        while self.waiting and budget > 0 and seats > 0:
             req = self._next_waiting()
             want = req.num_tokens
             if want > budget and not self.config.chunked_prefill:
@@ -304,6 +308,7 @@ class Scheduler:
             if res is None:
                 return
             self.waiting.remove(req)
+            seats -= 1
             rid = req.request_id
             req.num_computed_tokens = res.num_computed_tokens
             out.admitted.append(rid)

@@ -95,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
         import_extra("matplotlib", "--plots")
         check_output_dir(args.plots, "--plots")
     import_extra("torch", "this command")
-    from tiered_kv.engine.crossover import crossover, plot
     from tiered_kv.engine.model import ModelConfig
     from tiered_kv.storage.spec import DTYPE_BYTES
+    from tiered_kv.tools.crossover import crossover, plot
 
     config = ModelConfig(
         hidden_size=args.hidden,

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         check_output_file(args.json, "--json")
     import_extra("torch", "this command")
-    from tiered_kv.engine.fidelity import fidelity
+    from tiered_kv.tools.fidelity import fidelity
 
     with Phases("fidelity", "halves", enabled=not args.no_progress) as phases:
         doc = fidelity(args.calibration, args.config, emit=phases.wrap(print), progress=phases)
