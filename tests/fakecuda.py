@@ -178,7 +178,24 @@ def install_fake_cuda(monkeypatch, gpu: FakeGPU | None = None) -> FakeGPU:
     monkeypatch.setattr(torch.cuda, "Event", gpu.Event)
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: gpu.torch_current)
+    monkeypatch.setattr("tiered_kv.transfer.cuda_engine.load_cuda_runtime", lambda: fake_runtime(gpu))
     return gpu
+
+
+def fake_runtime(gpu: FakeGPU):
+    """The raw copy calls, done with memmove on the pointers the engine computes (checked byte for byte)."""
+    from tiered_kv.transfer.cudart import CudaRuntime
+
+    def memcpy(dst: int, src: int, n: int, stream: int) -> None:
+        gpu.note("memcpy", gpu.streams[stream], n)
+        ctypes.memmove(dst, src, n)
+
+    def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
+        gpu.note("memcpy2d", gpu.streams[stream], width * height)
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+    return CudaRuntime("fake", memcpy, memcpy2d)
 
 
 def install_fake_cupy(monkeypatch, gpu: FakeGPU | None = None) -> FakeGPU:
@@ -195,7 +212,14 @@ def install_fake_cupy(monkeypatch, gpu: FakeGPU | None = None) -> FakeGPU:
         gpu.note("memcpy", gpu.streams[stream], n)
         ctypes.memmove(dst, src, n)
 
-    cuda.runtime = types.SimpleNamespace(memcpyAsync=memcpy_async, getDeviceCount=lambda: 1)
+    def memcpy2d_async(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, kind, stream) -> None:
+        gpu.note("memcpy2d", gpu.streams[stream], width * height)
+        for row in range(height):
+            ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+
+    cuda.runtime = types.SimpleNamespace(
+        memcpyAsync=memcpy_async, memcpy2DAsync=memcpy2d_async, getDeviceCount=lambda: 1
+    )
 
     def get_elapsed_time(start: FakeEvent, end: FakeEvent) -> float:
         return start.elapsed_time(end)

@@ -111,7 +111,7 @@ def test_failed_copy_reports_the_error_and_leaves_the_source_intact():
     with pytest.raises(TransferError, match="plan 1 failed"):
         h.result(0)
     for b in (1, 2, 3):
-        assert torch.equal(t["GPU"].block(b), want[b])
+        assert torch.equal(t["GPU"].block(b).cpu(), want[b])
 
 
 @pytest.mark.parametrize("kind", ENGINES)
@@ -153,7 +153,7 @@ def test_wait_for_orders_a_write_after_the_read_of_its_destination():
         assert not swap_in.done()  # waits for the offload that reads block 4
         gate.set()
         assert swap_in.wait(10) and offload.wait(10)
-    assert torch.equal(t["CPU"].block(2), old[4]) and torch.equal(t["GPU"].block(4), new)
+    assert torch.equal(t["CPU"].block(2), old[4]) and torch.equal(t["GPU"].block(4).cpu(), new)
 
 
 def test_engine_refuses_unknown_tier_and_duplicate_plan_ids():

@@ -17,9 +17,9 @@ IDS = [([3, 4, 5, 6], [2, 3, 4, 5], [9, 10, 11, 12]), ([7, 2, 13, 5], [11, 3, 8,
 DEFAULT_MAX_TRACKED = 4096
 #: Fake-device operations that move bytes (the torch engine issues its copies
 #: inside ``torch.cuda.stream``; cupy's are memcpys or one kernel launch).
-COPY_OPS = {"issue", "memcpy", "kernel"}
+COPY_OPS = {"issue", "memcpy", "memcpy2d", "kernel"}
 # (engine, kernel_min_runs): the cupy engine copies by memcpy or by its gather kernel.
-DEVICE_ENGINES = [("cuda", None), ("cupy", 1000), ("cupy", 1)]
+DEVICE_ENGINES = [("cuda", None), ("cupy", None), ("cupy", 1)]
 
 
 def fake_engine(monkeypatch, kind, t, kernel_min_runs=None, **kw):
@@ -68,14 +68,21 @@ def compute_waits_before_copies(gpu, stream):
     raise AssertionError(f"no copy was issued on {stream}: {gpu.ops_on(stream)}")
 
 
+@pytest.mark.parametrize("copy_api", ["runtime", "torch"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_torch_cuda_engine_logic(monkeypatch, layout):
+def test_torch_cuda_engine_logic(monkeypatch, layout, copy_api):
     t = tiers(layout)  # real CPU tensors, made before CUDA is faked
-    install_fake_cuda(monkeypatch)
+    gpu = install_fake_cuda(monkeypatch)
     from tiered_kv.transfer.cuda_engine import TorchCudaCopyEngine
 
-    eng = TorchCudaCopyEngine(t, max_blocks_per_chunk=2, record=True)
+    eng = TorchCudaCopyEngine(t, max_blocks_per_chunk=2, record=True, copy_api=copy_api)
+    assert eng.copy_api == copy_api
     round_trip(eng, t)
+    ops = {op for s in gpu.streams.values() for op, _ in gpu.ops_on(s)}
+    if copy_api == "runtime":  # one raw call per run: a 2-D copy for a layer-first run
+        assert ("memcpy2d" in ops) == (layout == "layer_first") and ("memcpy" in ops) == (layout != "layer_first")
+    else:
+        assert not ops & {"memcpy", "memcpy2d"}
     # D2H waits on the compute stream's event; swap-ins use the urgent stream.
     d2h = eng.streams["d2h"]
     assert d2h.waited_on and all(isinstance(e, FakeEvent) for e in d2h.waited_on)

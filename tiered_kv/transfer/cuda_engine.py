@@ -28,6 +28,7 @@ from tiered_kv import checks
 from tiered_kv.errors import PlanError, TransferError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.transfer.availability import require
+from tiered_kv.transfer.cudart import load_cuda_runtime
 from tiered_kv.transfer.event_handle import EventTransferHandle, TorchEvents, issued_event
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
 from tiered_kv.transfer.plan_events import DEFAULT_MAX_TRACKED_PLANS, PlanEvents
@@ -45,12 +46,16 @@ class TorchCudaCopyEngine(StorageEngineBase):
         record: Keep every issued copy in ``trace``.
         max_tracked_plans: Plans whose end events are kept for ``wait_for`` and
             duplicate-id checks before completed ones are forgotten.
+        copy_api: ``"runtime"``: one raw ``cudaMemcpyAsync`` / ``cudaMemcpy2DAsync``
+            per run (:mod:`tiered_kv.transfer.cudart`); ``"torch"``: torch
+            ``copy_`` calls, one per contiguous piece; ``"auto"``: the runtime
+            when it loads, else torch.
 
     Raises:
         EngineUnavailableError: torch sees no CUDA device.
     """
 
-    fuse_strided_runs = False  # one cudaMemcpyAsync per contiguous segment, no staging
+    fuse_strided_runs = False  # torch copy_ path: one copy per contiguous segment, no staging
 
     def __init__(
         self,
@@ -58,10 +63,16 @@ class TorchCudaCopyEngine(StorageEngineBase):
         max_blocks_per_chunk: int = 64,
         record: bool = False,
         max_tracked_plans: int = DEFAULT_MAX_TRACKED_PLANS,
+        copy_api: str = "auto",
     ) -> None:
         super().__init__(tiers, max_blocks_per_chunk, record)
         self._events = PlanEvents(TORCH_EVENTS, max_tracked_plans)
+        checks.choice("copy_api", copy_api, ("auto", "runtime", "torch"))
         require("cuda", "TorchCudaCopyEngine")
+        self.runtime = load_cuda_runtime() if copy_api != "torch" else None
+        if copy_api == "runtime" and self.runtime is None:
+            raise TransferError("copy_api='runtime': neither cupy nor libcudart could be loaded")
+        self.copy_api = "runtime" if self.runtime is not None else "torch"
         lo, hi = torch.cuda.Stream.priority_range() if hasattr(torch.cuda.Stream, "priority_range") else (0, -1)
         self.streams = {
             "h2d_urgent": torch.cuda.Stream(priority=hi),
@@ -114,11 +125,15 @@ class TorchCudaCopyEngine(StorageEngineBase):
                 if ev is not None:
                     stream.wait_event(ev)
             start.record(stream)
+            runtime, raw = self.runtime, stream.cuda_stream
             with torch.cuda.stream(stream):
                 for ci, chunk in enumerate(prep.chunks):
                     for run in chunk:
                         self._record(prep, ci, run)
-                        self.copy_run(plan, run, non_blocking=True)
+                        if runtime is not None:
+                            self.copy_run_raw(runtime, plan, run, raw)
+                        else:
+                            self.copy_run(plan, run, non_blocking=True)
             end.record(stream)
         except Exception as exc:
             handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
@@ -126,6 +141,10 @@ class TorchCudaCopyEngine(StorageEngineBase):
         handle.attach(TORCH_EVENTS, start, end)
         self._events.add(plan.plan_id, end)
         return handle
+
+    def close(self) -> None:
+        """Wait for every plan still in flight (teardown only: a host wait, never in a serving step)."""
+        self._events.wait_all()
 
     def cancel(self, handle: TransferHandle) -> bool:
         """Issued CUDA copies cannot be recalled: always False (after checking the argument)."""

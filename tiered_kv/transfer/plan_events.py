@@ -58,6 +58,14 @@ class PlanEvents:
             self._events = {pid: ev for pid, ev in self._events.items() if not self._completed(ev)}
             self._sweep_at = max(self.limit, 2 * len(self._events))
 
+    def wait_all(self) -> None:
+        """Block until every tracked plan's copies are done (an engine's ``close``)."""
+        for event in list(self._events.values()):
+            try:
+                self._api.synchronize(event)
+            except Exception:  # a device error: that plan failed already
+                pass
+
     def _completed(self, event: Any) -> bool:
         try:
             return self._api.query(event)

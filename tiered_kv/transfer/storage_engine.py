@@ -77,6 +77,15 @@ class StorageEngineBase:
         self.trace: list[tuple[int, str, int, CopyRun]] | None = [] if record else None
         self.copy_hook = copy_hook
 
+    def close(self) -> None:
+        """Let every submitted plan finish, then release the engine (no-op here; engines override)."""
+
+    def __enter__(self) -> StorageEngineBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def bytes_per_block(self) -> int:
         return self.spec.bytes_per_block
@@ -122,6 +131,34 @@ class StorageEngineBase:
                 dst.run_segments(run.dst_start, run.length), src.run_segments(run.src_start, run.length), strict=True
             ):
                 d.copy_(s, non_blocking=non_blocking)
+
+    def copy_run_raw(self, runtime: object, plan: TransferPlan, run: CopyRun, stream: int) -> None:
+        """Copy one run with raw CUDA calls on ``stream``: one ``cudaMemcpyAsync`` or ``cudaMemcpy2DAsync``.
+
+        ``runtime`` is a :class:`~tiered_kv.transfer.cudart.CudaRuntime`.  In
+        the layer-first layout a run's ``2 * num_layers`` pieces are the rows of
+        one 2-D copy: row ``i`` starts at ``(i * num_blocks + start) *
+        segment_bytes`` in each tier, so the pitch is the tier's ``num_blocks *
+        segment_bytes`` (see :func:`tiered_kv.storage.spec.segment_offsets`).
+        """
+        if self.copy_hook is not None:
+            self.copy_hook(plan, run)
+        src, dst = self.tiers[plan.src_medium], self.tiers[plan.dst_medium]
+        sb, db = src.kv.data_ptr(), dst.kv.data_ptr()
+        if self.layout == "block_contiguous":
+            b = self.bytes_per_block
+            runtime.memcpy_async(db + run.dst_start * b, sb + run.src_start * b, run.length * b, stream)  # type: ignore[attr-defined]
+            return
+        seg = self.spec.segment_bytes
+        runtime.memcpy2d_async(  # type: ignore[attr-defined]
+            db + run.dst_start * seg,
+            dst.num_blocks * seg,
+            sb + run.src_start * seg,
+            src.num_blocks * seg,
+            run.length * seg,
+            2 * self.spec.num_layers,
+            stream,
+        )
 
     def _record(self, prep: PreparedPlan, chunk_index: int, run: CopyRun) -> None:
         if self.trace is not None:
