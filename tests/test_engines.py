@@ -301,3 +301,60 @@ def test_swap_out_reads_the_kv_a_still_running_kernel_writes(kind):
     h = eng.submit(TransferPlan(1, "GPU", "CPU", (3,), (5,), PlanKind.SWAP_OUT))
     assert h.wait(60)
     assert torch.all(t["CPU"].kv[5] == 7)
+
+
+@pytest.mark.parametrize("layout", ["block_contiguous", "layer_first"])
+def test_a_layer_wise_plan_lands_layer_by_layer_byte_exact(layout):
+    """Each layer is announced once its K and V landed; the whole plan equals a whole-plan copy."""
+    t = tiers(layout)
+    want = fill_random(t["CPU"], [2, 3, 5], seed=7)
+    landed_before = []
+
+    def note(plan, layer):
+        landed_before.append([h.layer_done(i) for i in range(SPEC.num_layers)] if handles else None)
+
+    handles = []
+    with CpuCopyEngine(t, layer_hook=note, layer_order=lambda n: list(reversed(range(n)))) as eng:
+        plan = TransferPlan(1, "CPU", "GPU", (2, 3, 5), (7, 8, 4), PlanKind.SWAP_IN, urgent=True, num_layers=2)
+        h = eng.submit(plan)
+        handles.append(h)
+        assert h.wait_layer(1, 10) and h.wait_layer(0, 10) and h.wait(10)
+    for s, d in ((2, 7), (3, 8), (5, 4)):
+        assert torch.equal(t["GPU"].block(d).cpu(), want[s])
+    assert [h.layer_done(i) for i in range(2)] == [True, True]
+
+
+def test_a_layer_wise_plan_failing_at_a_layer_ends_the_layers_not_landed():
+    t = tiers("block_contiguous")
+    fill_random(t["CPU"], [2], seed=8)
+
+    def fail_at_1(plan, layer):
+        if layer == 1:
+            raise RuntimeError("DMA error at layer 1")
+
+    with CpuCopyEngine(t, layer_hook=fail_at_1) as eng:
+        h = eng.submit(TransferPlan(1, "CPU", "GPU", (2,), (3,), PlanKind.SWAP_IN, urgent=True, num_layers=2))
+        assert h.wait_layer(0, 10) is True  # layer 0 landed before the fault
+        assert h.wait_layer(1, 10) is False and h.wait(10) is False
+    assert h.status is TransferStatus.FAILED and "layer 1" in str(h.error)
+
+
+def test_controlled_layers_land_in_any_order_and_complete_finishes_the_rest():
+    from tiered_kv.transfer import ControlledCopyEngine
+
+    landed = []
+    eng = ControlledCopyEngine({"GPU": 8, "CPU": 8}, on_complete_layer=lambda p, layer: landed.append(layer))
+    h = eng.submit(TransferPlan(1, "CPU", "GPU", (1,), (2,), PlanKind.SWAP_IN, num_layers=3))
+    eng.complete_layer(1, 2)
+    assert [h.layer_done(i) for i in range(3)] == [False, False, True] and not h.done()
+    eng.complete(1)
+    assert landed == [2, 0, 1] and h.ok and all(h.layer_done(i) for i in range(3))
+    with pytest.raises(PlanError, match="has no layer 3"):
+        eng.submit(TransferPlan(2, "CPU", "GPU", (1,), (3,), PlanKind.SWAP_IN, num_layers=3))
+        eng.complete_layer(2, 3)
+
+
+def test_a_layer_wise_plan_must_cover_the_models_layers():
+    t = tiers("block_contiguous")
+    with CpuCopyEngine(t) as eng, pytest.raises(PlanError, match="must cover the 2 layers"):
+        eng.submit(TransferPlan(1, "CPU", "GPU", (1,), (2,), PlanKind.SWAP_IN, num_layers=5))

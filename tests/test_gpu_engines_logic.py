@@ -260,3 +260,27 @@ def test_run_byte_ranges():
     seg = SPEC.segment_bytes
     assert len(ranges) == 2 * SPEC.num_layers
     assert ranges[1] == ((16 + 3) * seg, (8 + 5) * seg, 2 * seg)  # layer 0 V
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("kind", "copy_api"), [("cuda", "runtime"), ("cuda", "torch"), ("cupy", None)])
+def test_layer_wise_swap_in_is_byte_exact_with_an_event_per_layer(monkeypatch, layout, kind, copy_api):
+    """Each layer's copies are issued, then its event; compute can wait on one layer on the device."""
+    t = tiers(layout)
+    kw = {"copy_api": copy_api} if copy_api else {}
+    gpu, eng = fake_engine(monkeypatch, kind, t, **kw)
+    for _gpu_ids, cpu_ids, back_ids in IDS:
+        want = fill_random(t["CPU"], cpu_ids, seed=sum(cpu_ids))
+        h = eng.submit(swap_in(3, cpu_ids, back_ids, num_layers=SPEC.num_layers))
+        assert h.wait()
+        for c, b in zip(cpu_ids, back_ids, strict=True):
+            assert torch.equal(t["GPU"].block(b), want[c])
+    events = [h.layer_event(i) for i in range(SPEC.num_layers)]
+    assert len(set(map(id, events))) == SPEC.num_layers and all(h.layer_done(i) for i in range(SPEC.num_layers))
+    stream = eng.streams["h2d_urgent"]
+    ops = [op for op, _ in gpu.ops_on(stream)]
+    records = [i for i, op in enumerate(ops) if op == "record"]
+    assert len(records) >= SPEC.num_layers + 2  # start, a record after each layer, end
+    compute = gpu.torch_current
+    eng.make_compute_wait(h, layer=0)
+    assert compute.waited_on[-1] is events[0]  # only layer 0: the device overlaps the rest

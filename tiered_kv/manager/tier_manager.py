@@ -25,7 +25,7 @@ from tiered_kv.core.events import BlockRemoved
 from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
-from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
+from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError, UnknownRequestError
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.guard import exclusive
@@ -240,15 +240,27 @@ class TierManager:
         self._tick += 1
         return Admission(new, n_gpu, n_cpu, n_new, plan)
 
-    @exclusive
     def allocate(
         self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> list[KVCacheBlock] | None:
         """Grow a request whose KV is on the GPU; ``None`` (nothing changed) if it does not fit."""
-        h = self._get(request_id, Residency.GPU)
-        new = self.gpu.allocate_slots(h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
-        self._tick += 1
-        return new
+        # The per-token hot path of every step: the entry guard and the lookup are inlined.
+        lock = self._lock
+        if not lock.acquire(False):
+            raise ConcurrentUseError(
+                "TierManager.allocate was called while another thread is inside it; "
+                "a TierManager is single-threaded: drive it from one thread at a time"
+            )
+        try:
+            try:
+                h = self._held.get(request_id)
+            except TypeError:
+                h = None  # unhashable: _get names the problem
+            if h is None or h.residency is not Residency.GPU:
+                h = self._get(request_id, Residency.GPU)
+            return self.gpu.allocate_slots(h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        finally:
+            lock.release()
 
     @exclusive
     def on_tokens_computed(self, request_id: Hashable) -> TransferPlan | None:

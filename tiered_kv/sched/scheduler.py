@@ -66,7 +66,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.requests: dict[Hashable, Request] = {}
         self.status: dict[Hashable, RequestStatus] = {}
-        self._high_water: dict[Hashable, int] = {}  # most tokens ever computed per request
+        self._high_water: dict[Hashable, int] = {}  # recompute victims: tokens they had computed
         self._aborting: set[Hashable] = set()
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
@@ -182,21 +182,26 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         promised = self.tm.blocks_freed_on_completion()
         scheduled: set[Hashable] = set()
+        status, allocate, chunked = self.status, self.tm.allocate, self.config.chunked_prefill
         for req in list(self.running):
             if budget <= 0:
                 break
-            if self.status[req.request_id] is not S.RUNNING:
+            rid = req.request_id
+            if status[rid] is not S.RUNNING:
                 continue  # preempted earlier in this step
-            n = req.num_tokens - req.num_computed_tokens
+            n = len(req.all_token_ids) - req.num_computed_tokens
             if n > budget:
-                if not self.config.chunked_prefill:
+                if not chunked:
                     continue
                 n = budget
-            fits, promised = self._make_room(req, n, scheduled, promised, out)
-            if fits:
-                self._add(out, req, n)
-                scheduled.add(req.request_id)
-                budget -= n
+            # The common case, inline: it fits.  Otherwise make room (preempting) or wait.
+            if allocate(rid, n) is None:
+                fits, promised = self._make_room(req, n, scheduled, promised, out)
+                if not fits:
+                    continue
+            self._add(out, req, n)
+            scheduled.add(rid)
+            budget -= n
         if not out.preempted:
             self._resume(out)
         if not self.swapped and not out.preempted:
@@ -206,18 +211,21 @@ class Scheduler:
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append((req, n))
         out.num_tokens += n
-        mark = self._high_water.get(req.request_id, 0)
-        c = req.num_computed_tokens
-        if mark > c:
-            out.recomputed_tokens += min(c + n, mark) - c
+        if self._high_water:  # only recompute victims have a mark, until they pass it again
+            mark = self._high_water.get(req.request_id, 0)
+            c = req.num_computed_tokens
+            if mark > c:
+                out.recomputed_tokens += min(c + n, mark) - c
+                if c + n >= mark:
+                    del self._high_water[req.request_id]
 
     def _make_room(
         self, req: Request, n: int, scheduled: set[Hashable], promised: int, out: SchedulerOutput
     ) -> tuple[bool, int]:
         """Allocate ``n`` tokens for ``req``, preempting others if needed; (fits, promised blocks left)."""
         tm, rid = self.tm, req.request_id
-        for _ in range(len(self.running) + 1):  # each round preempts at least one victim, or ends
-            if tm.allocate(rid, n) is not None:
+        for i in range(len(self.running) + 1):  # each round preempts at least one victim, or ends
+            if i and tm.allocate(rid, n) is not None:  # the caller tried once already
                 return True, promised
             short = tm.blocks_short(rid, n)
             if short <= promised:
@@ -330,26 +338,28 @@ class Scheduler:
         ``sampled`` maps the id of every request whose scheduled tokens reached
         the end of its known tokens to the token it sampled (and no other id).
         """
-        want = {r.request_id for r, n in out.scheduled if out.needs_sample(r, n)}
-        if set(sampled) != want:
-            raise InvalidArgumentError(
-                f"sampled tokens for {sorted(map(str, sampled))}, expected {sorted(map(str, want))}"
-            )
-        for t in sampled.values():
-            if t.__class__ is not int:
-                raise InvalidArgumentError(f"a sampled token must be an int, got {checks.describe(t)}")
+        need = 0
+        for r, n in out.scheduled:  # check everything before changing anything
+            if r.num_computed_tokens + n == len(r.all_token_ids):
+                need += 1
+                t = sampled.get(r.request_id)
+                if t.__class__ is not int:
+                    raise InvalidArgumentError(
+                        f"request {r.request_id!r} reached the end of its tokens: sampled must map it to an int "
+                        f"token, got {checks.describe(t)}"
+                    )
+        if len(sampled) != need:
+            raise InvalidArgumentError(f"sampled has {len(sampled)} entries, but {need} requests sampled a token")
         finished: list[Request] = []
+        on_tokens_computed = self.tm.on_tokens_computed
         for req, n in out.scheduled:
-            rid = req.request_id
             in_prompt = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += n
-            if req.num_computed_tokens > self._high_water.get(rid, 0):
-                self._high_water[rid] = req.num_computed_tokens
             if in_prompt:
-                self.tm.on_tokens_computed(rid)
-            if rid in sampled:
-                req.append_output_token_ids(sampled[rid])
-                if req.is_finished:
+                on_tokens_computed(req.request_id)
+            if req.num_computed_tokens == len(req.all_token_ids):
+                req.all_token_ids.append(sampled[req.request_id])
+                if len(req.all_token_ids) - req.num_prompt_tokens >= req.max_tokens:
                     self._finish(req)
                     finished.append(req)
         return finished

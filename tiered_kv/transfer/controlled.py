@@ -21,6 +21,9 @@ class ControlledCopyEngine:
         num_blocks: ``{"GPU": n, "CPU": m}`` pool sizes for plan validation.
         bytes_per_block: Reported in handles.
         on_complete: Called with the plan just before it is marked done.
+        on_complete_layer: Called with ``(plan, layer)`` as each layer of a
+            layer-wise plan lands (``complete_layer``, or ``complete`` for the
+            layers still missing).
     """
 
     def __init__(
@@ -28,10 +31,12 @@ class ControlledCopyEngine:
         num_blocks: dict[str, int] | None = None,
         bytes_per_block: int = 0,
         on_complete: Callable[[TransferPlan], None] | None = None,
+        on_complete_layer: Callable[[TransferPlan, int], None] | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_block
         self.on_complete = on_complete
+        self.on_complete_layer = on_complete_layer
         self.pending: dict[int, TransferHandle] = {}
         self.submitted: list[TransferPlan] = []
 
@@ -70,10 +75,32 @@ class ControlledCopyEngine:
                 raise PlanError(f"plan {plan_id} must wait for plan(s) {blocked} to finish first")
         handle = self._take(plan_id)
         handle._start()
+        for layer in range(handle.plan.num_layers):
+            if not handle.layer_done(layer):
+                self._land_layer(handle, layer)
         if self.on_complete is not None:
             self.on_complete(handle.plan)
         handle._finish(TransferStatus.DONE)
         return handle
+
+    def complete_layer(self, plan_id: int, layer: int) -> TransferHandle:
+        """Land one layer of a layer-wise plan (any order); the plan stays pending until ``complete``."""
+        handle = self.pending.get(plan_id)
+        if handle is None:
+            raise PlanError(f"plan {plan_id} is not pending in this engine")
+        if not 0 <= layer < handle.plan.num_layers:
+            raise PlanError(f"plan {plan_id} has no layer {layer} (it has {handle.plan.num_layers})")
+        blocked = [w for w in handle.plan.wait_for if w in self.pending]
+        if blocked:
+            raise PlanError(f"plan {plan_id} must wait for plan(s) {blocked} to finish first")
+        handle._start()
+        self._land_layer(handle, layer)
+        return handle
+
+    def _land_layer(self, handle: TransferHandle, layer: int) -> None:
+        if self.on_complete_layer is not None:
+            self.on_complete_layer(handle.plan, layer)
+        handle._finish_layer(layer)
 
     def fail(self, plan_id: int, reason: str = "injected failure") -> TransferHandle:
         handle = self._take(plan_id)

@@ -33,8 +33,14 @@ class CpuCopyEngine(StorageEngineBase):
         max_blocks_per_chunk: int = 64,
         record: bool = False,
         copy_hook: Callable[[TransferPlan, CopyRun], None] | None = None,
+        layer_hook: Callable[[TransferPlan, int], None] | None = None,
+        layer_order: Callable[[int], list[int]] | None = None,
     ) -> None:
         super().__init__(tiers, max_blocks_per_chunk, record, copy_hook)
+        # Fault injection and reordering for tests: called before each layer of a layer-wise plan,
+        # and the order in which its layers are copied.
+        self.layer_hook = layer_hook
+        self.layer_order = layer_order or (lambda n: list(range(n)))
         self._queues: dict[str, queue.Queue] = {lane: queue.Queue() for lane in LANES}
         self._threads: dict[str, threading.Thread] = {}
         self._live: dict[int, TransferHandle] = {}
@@ -117,6 +123,9 @@ class CpuCopyEngine(StorageEngineBase):
         if not handle._start():
             return  # cancelled while queued
         try:
+            if plan.num_layers:
+                self._run_layers(handle, prep)
+                return
             for ci, chunk in enumerate(prep.chunks):
                 if id(handle) in self._cancelled:
                     self._end(handle, TransferStatus.CANCELLED, TransferError(f"plan {plan.plan_id}: cancelled"))
@@ -127,6 +136,22 @@ class CpuCopyEngine(StorageEngineBase):
             self._end(handle, TransferStatus.DONE)
         except Exception as exc:  # any copy failure fails the plan; the source is only read
             self._end(handle, TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
+
+    def _run_layers(self, handle: TransferHandle, prep: PreparedPlan) -> None:
+        """A layer-wise plan: every run's layer ``i``, then announce layer ``i``; cancel at layer boundaries."""
+        plan = prep.plan
+        for layer in self.layer_order(plan.num_layers):
+            if id(handle) in self._cancelled:
+                self._end(handle, TransferStatus.CANCELLED, TransferError(f"plan {plan.plan_id}: cancelled"))
+                return
+            if self.layer_hook is not None:
+                self.layer_hook(plan, layer)
+            for ci, chunk in enumerate(prep.chunks):
+                for run in chunk:
+                    self._record(prep, ci, run)
+                    self.copy_run_layer(plan, run, layer)
+            handle._finish_layer(layer)
+        self._end(handle, TransferStatus.DONE)
 
     def close(self) -> None:
         """Finish queued work, then stop the workers."""

@@ -126,19 +126,29 @@ class TorchCudaCopyEngine(StorageEngineBase):
                     stream.wait_event(ev)
             start.record(stream)
             runtime, raw = self.runtime, stream.cuda_stream
+            layer_events = []
             with torch.cuda.stream(stream):
-                for ci, chunk in enumerate(prep.chunks):
-                    for run in chunk:
-                        self._record(prep, ci, run)
-                        if runtime is not None:
-                            self.copy_run_raw(runtime, plan, run, raw)
-                        else:
-                            self.copy_run(plan, run, non_blocking=True)
+                for layer in range(plan.num_layers) if plan.num_layers else (None,):
+                    for ci, chunk in enumerate(prep.chunks):
+                        for run in chunk:
+                            self._record(prep, ci, run)
+                            if layer is not None and runtime is not None:
+                                self.copy_run_layer_raw(runtime, plan, run, layer, raw)
+                            elif layer is not None:
+                                self.copy_run_layer(plan, run, layer, non_blocking=True)
+                            elif runtime is not None:
+                                self.copy_run_raw(runtime, plan, run, raw)
+                            else:
+                                self.copy_run(plan, run, non_blocking=True)
+                    if layer is not None:  # compute on this layer may start once this event fires
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
+                        layer_events.append(ev)
             end.record(stream)
         except Exception as exc:
             handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
             return handle
-        handle.attach(TORCH_EVENTS, start, end)
+        handle.attach(TORCH_EVENTS, start, end, tuple(layer_events))
         self._events.add(plan.plan_id, end)
         return handle
 
@@ -152,8 +162,13 @@ class TorchCudaCopyEngine(StorageEngineBase):
             raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
         return False
 
-    def make_compute_wait(self, handle: TransferHandle, stream: torch.cuda.Stream | None = None) -> None:
-        """Order ``stream`` (default: current) after the plan on the device; the host does not block.
+    def make_compute_wait(
+        self, handle: TransferHandle, stream: torch.cuda.Stream | None = None, layer: int | None = None
+    ) -> None:
+        """Order ``stream`` (default: current) after the plan, or after one of its layers, on the device.
+
+        The host does not block.  ``layer``: wait only for that layer of a
+        layer-wise plan, so compute on it overlaps the copy of later layers.
 
         Raises:
             PlanError: ``handle`` is not an issued plan of a CUDA engine.
@@ -162,4 +177,6 @@ class TorchCudaCopyEngine(StorageEngineBase):
         end = issued_event(handle, "make_compute_wait")
         if stream is not None:
             checks.instance("stream", stream, torch.cuda.Stream)
+        if layer is not None:
+            end = handle.layer_event(layer)  # type: ignore[attr-defined]
         (stream or torch.cuda.current_stream()).wait_event(end)

@@ -190,7 +190,17 @@ class CupyCopyEngine(StorageEngineBase):
             start = cp.cuda.Event()
             start.record(stream)
             k = self.kernel_min_runs
-            if k is not None and prep.num_copies >= k and self.spec.segment_bytes % 16 == 0:
+            layer_events: list[Any] = []
+            if plan.num_layers:  # layer by layer, an event after each
+                for layer in range(plan.num_layers):
+                    for ci, chunk in enumerate(prep.chunks):
+                        for run in chunk:
+                            self._record(prep, ci, run)
+                            self.copy_run_layer_raw(self._runtime, plan, run, layer, stream.ptr)  # type: ignore[attr-defined]
+                    ev = cp.cuda.Event(disable_timing=True)
+                    ev.record(stream)
+                    layer_events.append(ev)
+            elif k is not None and prep.num_copies >= k and self.spec.segment_bytes % 16 == 0:
                 self._gather(prep, stream)
             else:
                 self._memcpy(prep, stream)
@@ -199,7 +209,7 @@ class CupyCopyEngine(StorageEngineBase):
         except Exception as exc:
             handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
             return handle
-        handle.attach(self._api, start, end)
+        handle.attach(self._api, start, end, tuple(layer_events))
         self._events.add(plan.plan_id, end)
         return handle
 
@@ -236,18 +246,21 @@ class CupyCopyEngine(StorageEngineBase):
             raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
         return False
 
-    def make_compute_wait(self, handle: TransferHandle, stream: object | None = None) -> None:
-        """Order compute after the plan on the device; the host does not block.
+    def make_compute_wait(self, handle: TransferHandle, stream: object | None = None, layer: int | None = None) -> None:
+        """Order compute after the plan (or one layer of it) on the device; the host does not block.
 
         Args:
             handle: A handle this engine returned.
             stream: The stream (cupy or torch) to order; default: cupy's and
                 torch's current streams.
+            layer: Wait only for this layer of a layer-wise plan.
 
         Raises:
             PlanError: ``handle`` is not an issued plan of a CUDA engine.
             InvalidArgumentError: ``stream`` is not a CUDA stream.
         """
         end = issued_event(handle, "make_compute_wait")
+        if layer is not None:
+            end = handle.layer_event(layer)  # type: ignore[attr-defined]
         for compute in self._compute_streams("stream", stream):
             compute.wait_event(end)

@@ -100,11 +100,39 @@ class EventTransferHandle(TransferHandle):
     _api: EventAPI | None = field(default=None, repr=False)
     _start_ev: Any = field(default=None, repr=False)
     _end_ev: Any = field(default=None, repr=False)
+    _layer_evs: tuple[Any, ...] = field(default=(), repr=False)
 
-    def attach(self, api: EventAPI, start: Any, end: Any) -> None:
-        """Tie the handle to the events recorded before and after the plan's copies."""
-        self._api, self._start_ev, self._end_ev = api, start, end
+    def attach(self, api: EventAPI, start: Any, end: Any, layer_events: tuple[Any, ...] = ()) -> None:
+        """Tie the handle to the events recorded before and after the plan's copies (and after each layer's)."""
+        self._api, self._start_ev, self._end_ev, self._layer_evs = api, start, end, tuple(layer_events)
         self.status = TransferStatus.RUNNING
+
+    def layer_event(self, layer: int) -> Any:
+        """The event recorded after layer ``layer``'s copies (the end event for a plan that is not layer-wise)."""
+        return self._layer_evs[layer] if self._layer_evs else self._end_ev
+
+    def layer_done(self, layer: int) -> bool:
+        if not self._layer_evs or self._api is None:
+            return self.done() and self.ok
+        try:
+            return bool(self._api.query(self._layer_evs[layer]))
+        except Exception as exc:
+            self._settle(exc)
+            return False
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Host wait for one layer (the engine's compute normally waits on the device instead)."""
+        if not self._layer_evs or self._api is None:
+            return self.wait(timeout)
+        timeout = checks.timeout("timeout", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.layer_done(layer):
+            if self._event.is_set() and not self.ok:
+                return False
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_MIN_S)
+        return True
 
     @property
     def event(self) -> Any:

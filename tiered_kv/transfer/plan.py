@@ -45,6 +45,10 @@ class TransferPlan:
         urgent: Swap-ins and onboards: a request waits on them.
         wait_for: Plan ids that must complete before this one may write its
             destination (on-evict: the old contents must be copied out first).
+        num_layers: 0 for a plan that lands as a whole.  Else the plan is
+            copied layer by layer and its handle reports each layer as it lands
+            (:meth:`TransferHandle.wait_layer`), so compute on layer ``i`` can
+            start while later layers are still copying.
     """
 
     plan_id: int
@@ -56,6 +60,7 @@ class TransferPlan:
     request_id: Hashable | None = None
     urgent: bool = False
     wait_for: tuple[int, ...] = ()
+    num_layers: int = 0
 
     def __post_init__(self) -> None:
         # Types only; ranges are checked against real pools by ``validate``.
@@ -70,6 +75,8 @@ class TransferPlan:
                 raise PlanError(f"plan {self.plan_id}: {name} must be a tuple of ints, got {ids!r}")
         if not isinstance(self.kind, PlanKind) or self.urgent.__class__ is not bool:
             raise PlanError(f"plan {self.plan_id}: kind must be a PlanKind and urgent a bool")
+        if self.num_layers.__class__ is not int or self.num_layers < 0:
+            raise PlanError(f"plan {self.plan_id}: num_layers must be an int >= 0, got {self.num_layers!r}")
 
     @property
     def num_blocks(self) -> int:
@@ -139,6 +146,35 @@ class TransferHandle:
     submitted_at: float = field(default_factory=time.perf_counter)
     _event: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _layers: list[threading.Event] = field(default_factory=list, repr=False)
+    _landed: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        self._layers = [threading.Event() for _ in range(self.plan.num_layers)]
+
+    def layer_done(self, layer: int) -> bool:
+        """Whether layer ``layer`` of a layer-wise plan has landed (for a whole plan: whether it is DONE)."""
+        return layer in self._landed if self._layers else self.ok
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> bool:
+        """Block until layer ``layer`` has landed (True) or the plan ended without it (False).
+
+        Layers may land in any order; a plan that fails or is cancelled ends
+        every layer that had not landed.  For a plan that is not layer-wise
+        this is ``wait``.
+        """
+        if not self._layers:
+            return self.wait(timeout)
+        self._layers[layer].wait(timeout)
+        return layer in self._landed
+
+    def _finish_layer(self, layer: int) -> None:
+        """Engines: layer ``layer`` landed (its bytes are all in the destination)."""
+        with self._lock:
+            if self.status in FINAL:
+                return
+            self._landed.add(layer)
+        self._layers[layer].set()
 
     def done(self) -> bool:
         """True once the handle is final (done, failed or cancelled)."""
@@ -189,5 +225,9 @@ class TransferHandle:
             self.status = status
             self.error = error
             self.elapsed_s = time.perf_counter() - self.submitted_at
+            if status is TransferStatus.DONE:
+                self._landed.update(range(len(self._layers)))
+        for ev in self._layers:  # every layer that had not landed ends with the plan
+            ev.set()
         self._event.set()
         return True

@@ -96,6 +96,11 @@ class StorageEngineBase:
             if m not in self.tiers:
                 raise PlanError(f"plan {plan.plan_id}: this engine has no {m} tier")
         plan.validate(self.tiers[plan.src_medium].num_blocks, self.tiers[plan.dst_medium].num_blocks)
+        if plan.num_layers and plan.num_layers != self.spec.num_layers:
+            raise PlanError(
+                f"plan {plan.plan_id}: a layer-wise plan must cover the {self.spec.num_layers} layers of the KV, "
+                f"not {plan.num_layers}"
+            )
         runs = coalesce(plan.src_block_ids, plan.dst_block_ids)
         return PreparedPlan(
             plan,
@@ -131,6 +136,45 @@ class StorageEngineBase:
                 dst.run_segments(run.dst_start, run.length), src.run_segments(run.src_start, run.length), strict=True
             ):
                 d.copy_(s, non_blocking=non_blocking)
+
+    def copy_run_layer(self, plan: TransferPlan, run: CopyRun, layer: int, non_blocking: bool = False) -> None:
+        """Copy one layer (its K and V) of one run: one strided tensor copy per tier view."""
+        if self.copy_hook is not None:
+            self.copy_hook(plan, run)
+        src, dst = self.tiers[plan.src_medium], self.tiers[plan.dst_medium]
+        for s, d in zip(src.layer_kv(layer), dst.layer_kv(layer), strict=True):
+            d[run.dst_start : run.dst_start + run.length].copy_(
+                s[run.src_start : run.src_start + run.length], non_blocking=non_blocking
+            )
+
+    def copy_run_layer_raw(self, runtime: object, plan: TransferPlan, run: CopyRun, layer: int, stream: int) -> None:
+        """One layer of one run with one ``cudaMemcpy2DAsync``.
+
+        Block-contiguous: a row per block of the run, ``2 * segment_bytes`` wide
+        (the layer's K then V), the pitch one block.  Layer-first: two rows (K
+        and V), ``length * segment_bytes`` wide, the pitch ``num_blocks *
+        segment_bytes``.
+        """
+        if self.copy_hook is not None:
+            self.copy_hook(plan, run)
+        src, dst = self.tiers[plan.src_medium], self.tiers[plan.dst_medium]
+        sb, db, seg = src.kv.data_ptr(), dst.kv.data_ptr(), self.spec.segment_bytes
+        if self.layout == "block_contiguous":
+            b, off = self.bytes_per_block, 2 * layer * seg
+            runtime.memcpy2d_async(  # type: ignore[attr-defined]
+                db + run.dst_start * b + off, b, sb + run.src_start * b + off, b, 2 * seg, run.length, stream
+            )
+            return
+        row = 2 * layer
+        runtime.memcpy2d_async(  # type: ignore[attr-defined]
+            db + (row * dst.num_blocks + run.dst_start) * seg,
+            dst.num_blocks * seg,
+            sb + (row * src.num_blocks + run.src_start) * seg,
+            src.num_blocks * seg,
+            run.length * seg,
+            2,
+            stream,
+        )
 
     def copy_run_raw(self, runtime: object, plan: TransferPlan, run: CopyRun, stream: int) -> None:
         """Copy one run with raw CUDA calls on ``stream``: one ``cudaMemcpyAsync`` or ``cudaMemcpy2DAsync``.
