@@ -24,7 +24,9 @@ from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.transfer.event_handle import EventTransferHandle
 from tiered_kv.transfer.factory import make_copy_engine
+from tiered_kv.transfer.plan import TransferHandle
 from tiered_kv.transfer.storage_engine import StorageEngineBase
 
 
@@ -39,6 +41,7 @@ class EngineStats:
     recompute_s: float = 0.0
     wait_s: float = 0.0
     wall_s: float = 0.0
+    layer_wait_s: float = 0.0  # host time spent waiting for layers of layer-wise loads (CPU engines)
     # (tokens, attention units, KV tokens, requests, step seconds, of which model compute) per computing step
     step_log: list[tuple[int, float, float, int, float, float]] = field(default_factory=list)
 
@@ -56,6 +59,10 @@ class Engine:
         cost_model: For the cost-aware policy (e.g. from ``tiered-kv crossover``).
         copy_engine: Factory ``tiers -> engine``; default: CUDA streams on a GPU, else CPU threads.
         record_logits: Keep the logits every sampled token came from.
+        layerwise: Resume swapped requests layer by layer: a resumed request
+            computes in the step its load starts, layer ``i`` waiting only for
+            layer ``i`` of the load (on CUDA the compute stream waits on the
+            layer's event; on the CPU the host waits for the layer).
     """
 
     def __init__(
@@ -78,6 +85,7 @@ class Engine:
         record_logits: bool = False,
         hash_fn: str = "sha256",
         evict_window: int = 64,
+        layerwise: bool = False,
     ) -> None:
         self.config = model_config or ModelConfig()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -108,7 +116,9 @@ class Engine:
         )
         self.scheduler = Scheduler(
             tm,
-            SchedulerConfig(max_num_batched_tokens, max_num_seqs, chunked_prefill, policy=policy, mode=mode),
+            SchedulerConfig(
+                max_num_batched_tokens, max_num_seqs, chunked_prefill, policy=policy, mode=mode, layerwise=layerwise
+            ),
         )
         self.model = TinyLlama(self.config, device)
         self.outputs: dict[Hashable, list[int]] = {}
@@ -168,7 +178,11 @@ class Engine:
                 hist.append(list(table))
             else:
                 hist[-1] = list(table)
-            logits = self.model.forward_chunk(req.all_token_ids[c : c + n], c, table, kv)
+            load = out.loads.get(rid)
+            wait = None if load is None else (lambda i, h=load: self._wait_layer(h, i))
+            logits = self.model.forward_chunk(req.all_token_ids[c : c + n], c, table, kv, before_layer=wait)
+            if logits is None:
+                continue  # its load failed: update() discards its step
             if c + n == req.num_tokens:
                 forced = self.forced.get(rid)
                 sampled[rid] = forced[req.num_output_tokens] if forced else int(logits[-1].argmax())
@@ -188,6 +202,18 @@ class Engine:
         if out.recomputed_tokens:
             self.stats.recompute_s += dt * out.recomputed_tokens / out.num_tokens
         return True
+
+    def _wait_layer(self, handle: TransferHandle, layer: int) -> bool:
+        """Before layer ``layer`` of a request whose KV is landing: order compute after that layer's copy."""
+        if handle.done() and not handle.ok:
+            return False
+        if isinstance(handle, EventTransferHandle) and handle.event is not None:
+            self.copy.make_compute_wait(handle, layer=layer)  # type: ignore[attr-defined]
+            return True  # the device waits; the host goes on issuing the layers before
+        t0 = time.perf_counter()
+        ok = handle.wait_layer(layer)
+        self.stats.layer_wait_s += time.perf_counter() - t0
+        return ok
 
     def run(self, max_steps: int = 1_000_000) -> dict[Hashable, list[int]]:
         """Step until every request finished, then let copies in flight land; return the tokens per request."""

@@ -14,6 +14,7 @@ request's own tokens are chunked changes the floating-point grouping.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +140,14 @@ class TinyLlama(nn.Module):
         self.device = torch.device(device)
 
     @torch.no_grad()
-    def forward_chunk(self, token_ids: list[int], start: int, block_table: list[int], kv: KVStorage) -> torch.Tensor:
+    def forward_chunk(
+        self,
+        token_ids: list[int],
+        start: int,
+        block_table: list[int],
+        kv: KVStorage,
+        before_layer: Callable[[int], bool] | None = None,
+    ) -> torch.Tensor | None:
         """Compute tokens ``[start, start + len(token_ids))`` of one request.
 
         Args:
@@ -147,9 +155,12 @@ class TinyLlama(nn.Module):
             start: Tokens already in the cache (their KV is read, not recomputed).
             block_table: The request's GPU block ids, covering ``start + len(token_ids)`` tokens.
             kv: The GPU tier.
+            before_layer: Called with ``i`` before layer ``i`` touches its KV
+                (a layer-wise load: wait for that layer).  If it returns False
+                the KV will never arrive: the pass stops and returns ``None``.
 
         Returns:
-            Logits ``[len(token_ids), vocab]`` (float32).
+            Logits ``[len(token_ids), vocab]`` (float32), or ``None`` (see ``before_layer``).
         """
         dev = self.device
         n = len(token_ids)
@@ -160,6 +171,8 @@ class TinyLlama(nn.Module):
         slot_offsets = positions % bs
         x = self.embed(torch.tensor(token_ids, device=dev))
         for i, layer in enumerate(self.layers):
+            if before_layer is not None and not before_layer(i):
+                return None
             k_cache, v_cache = kv.layer_kv(i)
             x = layer(x, positions, k_cache, v_cache, table, slot_blocks, slot_offsets, start + n)
         return self.lm_head(self.norm(x)).float()

@@ -173,9 +173,12 @@ class Swapper:
             hits.append(b)
         return hits
 
-    def start_in(self, request: Request, swapped: SwappedKV) -> Transfer | list[KVCacheBlock] | None:
+    def start_in(
+        self, request: Request, swapped: SwappedKV, num_layers: int = 0
+    ) -> Transfer | list[KVCacheBlock] | None:
         """Give the request a GPU table and start the CPU->GPU copy of what is not cached there.
 
+        ``num_layers`` > 0 makes the copy layer-wise (each layer reported as it lands).
         Returns the transfer, the GPU hits alone when every block was still
         cached (nothing to copy: the request is whole again at once), or
         ``None`` (nothing changed) when the GPU blocks do not fit.
@@ -188,7 +191,14 @@ class Swapper:
         if not new:
             return hits
         plan = self.transfers.plan(
-            CPU, GPU, swapped.spec.block_ids[n:], [b.block_id for b in new], PlanKind.SWAP_IN, request.request_id, True
+            CPU,
+            GPU,
+            swapped.spec.block_ids[n:],
+            [b.block_id for b in new],
+            PlanKind.SWAP_IN,
+            request.request_id,
+            True,
+            num_layers,
         )
         return self.transfers.start(plan, payload=_In(swapped, n))
 

@@ -53,6 +53,7 @@ class _Held:
     plan_id: int | None = None
     swapped: SwappedKV | None = None  # the pinned CPU copy while swapped out or swapping in
     num_stored_blocks: int = 0  # write-through progress (prompt blocks)
+    layered: bool = False  # a layer-wise swap-in: computing while its KV lands layer by layer
 
 
 class TierManager:
@@ -116,6 +117,9 @@ class TierManager:
             enable_kv_cache_events=enable_caching,
         )
         self.cost_model = checked_cost_model(kv_spec, cost_model, copy_engine, block_size)
+        spec = kv_spec if kv_spec is not None else getattr(copy_engine, "spec", None)
+        #: KV layers, for layer-wise copies (0: unknown, no kv_spec and an engine without one).
+        self.num_layers = spec.num_layers if isinstance(spec, KVSpec) else 0
         self.block_size = block_size
         self.caching = enable_caching
         self.store: CPUStore | None = CPUStore(num_cpu_blocks, store_policy) if num_cpu_blocks else None
@@ -176,7 +180,8 @@ class TierManager:
     @exclusive
     def blocks_short(self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0) -> int:
         """GPU blocks ``allocate`` would lack right now for these tokens (0 if it fits)."""
-        req = self._get(request_id, Residency.GPU).request
+        h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+        req = (h if h.layered else self._get(request_id, Residency.GPU)).request
         need = self.gpu.num_blocks_to_allocate(req, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
         return max(need - self.gpu.block_pool.get_num_free_blocks(), 0)
 
@@ -243,7 +248,11 @@ class TierManager:
     def allocate(
         self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> list[KVCacheBlock] | None:
-        """Grow a request whose KV is on the GPU; ``None`` (nothing changed) if it does not fit."""
+        """Grow a request whose KV is on the GPU; ``None`` (nothing changed) if it does not fit.
+
+        A request in a layer-wise swap-in may grow too (it computes while its KV
+        lands); nothing of it is cached until the load has landed.
+        """
         # The per-token hot path of every step: the entry guard and the lookup are inlined.
         lock = self._lock
         if not lock.acquire(False):
@@ -257,7 +266,13 @@ class TierManager:
             except TypeError:
                 h = None  # unhashable: _get names the problem
             if h is None or h.residency is not Residency.GPU:
-                h = self._get(request_id, Residency.GPU)
+                h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+                if not h.layered:
+                    h = self._get(request_id, Residency.GPU)  # names the state it is in
+                # Its restored blocks are being written: cache nothing until the load lands.
+                return self.gpu.allocate_slots(
+                    h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=True
+                )
             return self.gpu.allocate_slots(h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
         finally:
             lock.release()
@@ -331,19 +346,26 @@ class TierManager:
         return Preemption(request_id, chosen, reason, plan, now, later, res)
 
     @exclusive
-    def resume(self, request_id: Hashable) -> Resumption | None:
+    def resume(self, request_id: Hashable, layered: bool = False) -> Resumption | None:
         """Bring a swapped request back: re-hit what is still cached on the GPU, copy the rest in.
 
-        ``None`` (nothing changed) when the GPU blocks do not fit.
+        ``layered``: copy layer by layer, one completion per layer, so the
+        request can compute while its KV lands (layer ``i``'s attention waits
+        for layer ``i`` only); it may :meth:`allocate` while SWAPPING_IN, and
+        a failed load rolls back whatever it grew.  ``None`` (nothing changed)
+        when the GPU blocks do not fit.
         """
         h = self._get(request_id, Residency.CPU)
+        checks.flag("layered", layered)
+        if layered and not self.num_layers:
+            raise InvalidArgumentError("a layer-wise swap-in needs the KV's layer count: give the manager kv_spec=")
         assert self._swap is not None and h.swapped is not None
-        out = self._swap.start_in(h.request, h.swapped)
+        out = self._swap.start_in(h.request, h.swapped, self.num_layers if layered else 0)
         if out is None:
             return None
         self._tick += 1
         if isinstance(out, Transfer):
-            h.residency, h.plan_id = Residency.SWAPPING_IN, out.plan.plan_id
+            h.residency, h.plan_id, h.layered = Residency.SWAPPING_IN, out.plan.plan_id, layered
             return Resumption(request_id, h.swapped.num_tokens, out.plan)
         n = h.swapped.num_tokens
         self._swap.finish_in(h.request, h.swapped)
@@ -434,7 +456,7 @@ class TierManager:
             self._off.settle_store(t)  # type: ignore[union-attr]
         else:
             h = self._held[rid]
-            h.plan_id = None
+            h.plan_id, h.layered = None, False
             swap = self._swap
             if kind is PlanKind.ONBOARD:
                 n_tok = self._off.settle_load(h.request, t)  # type: ignore[union-attr]

@@ -72,11 +72,14 @@ class Transfers:
         kind: PlanKind,
         request_id: Hashable | None,
         urgent: bool = False,
+        num_layers: int = 0,
     ) -> TransferPlan:
-        """A new plan with the next id (not submitted yet)."""
+        """A new plan with the next id (not submitted yet); ``num_layers`` > 0: copied and reported layer by layer."""
         pid = self._next_id
         self._next_id += 1
-        return TransferPlan(pid, src_medium, dst_medium, tuple(src_ids), tuple(dst_ids), kind, request_id, urgent)
+        return TransferPlan(
+            pid, src_medium, dst_medium, tuple(src_ids), tuple(dst_ids), kind, request_id, urgent, num_layers=num_layers
+        )
 
     def start(
         self,

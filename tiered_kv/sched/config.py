@@ -23,6 +23,10 @@ class SchedulerConfig:
         scheduling: ``"fcfs"`` (serve and keep in arrival order; preempt the
             last of the running queue) or ``"priority"`` (serve the lowest
             ``(priority, arrival_time)`` first; preempt the highest), as vLLM v1.
+        layerwise: Resume swapped requests layer by layer and compute them in
+            the step their load starts: :attr:`SchedulerOutput.loads` names the
+            handle whose layer ``i`` a driver must wait for before layer ``i``
+            of that request (the load overlaps the layers before it).
     """
 
     max_num_batched_tokens: int = 8192
@@ -31,6 +35,7 @@ class SchedulerConfig:
     policy: str = "lru"
     mode: str = "auto"
     scheduling: str = "fcfs"
+    layerwise: bool = False
 
     def __post_init__(self) -> None:
         checks.count("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -39,3 +44,4 @@ class SchedulerConfig:
         checks.choice("policy", self.policy, POLICIES)
         checks.choice("mode", self.mode, MODES)
         checks.choice("scheduling", self.scheduling, ("fcfs", "priority"))
+        checks.flag("layerwise", self.layerwise)

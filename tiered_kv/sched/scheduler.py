@@ -18,7 +18,9 @@ admitted requests:
    chosen by the policy among running requests not yet scheduled this step and
    preempted through the manager, each by the mode its quote chooses.  If no
    choice frees enough, the request preempts itself, as in vLLM.
-3. Swapped requests resume, oldest first, unless this step preempted.
+3. Swapped requests resume, oldest first, unless this step preempted.  With
+   ``layerwise`` a resumed request is scheduled in the same step, computing
+   while its KV lands layer by layer (``SchedulerOutput.loads``).
 4. Waiting requests are admitted (FCFS, or by priority), unless requests are
    swapped out or this step preempted.
 
@@ -44,7 +46,7 @@ from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sched.output import SchedulerOutput
 from tiered_kv.sched.status import MOVING, RequestStatus
-from tiered_kv.transfer.plan import PlanKind
+from tiered_kv.transfer.plan import PlanKind, TransferHandle
 
 S = RequestStatus
 
@@ -68,6 +70,7 @@ class Scheduler:
         self.status: dict[Hashable, RequestStatus] = {}
         self._high_water: dict[Hashable, int] = {}  # recompute victims: tokens they had computed
         self._aborting: set[Hashable] = set()
+        self._loads: dict[Hashable, TransferHandle] = {}  # layer-wise swap-ins not settled yet
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
         self.copies_landed = 0
@@ -88,7 +91,8 @@ class Scheduler:
     def abort(self, request_id: Hashable) -> None:
         """Drop a request wherever it is; a request whose KV is moving is dropped when its copy settles."""
         req = self._request(request_id)
-        if self.status[request_id] in MOVING and not self.tm.cancel(request_id):
+        moving = self.status[request_id] in MOVING or request_id in self._loads
+        if moving and not self.tm.cancel(request_id):
             self._aborting.add(request_id)
             return
         self._apply(self.tm.poll())
@@ -154,6 +158,12 @@ class Scheduler:
                 if not c.ok:
                     self.swapped.remove(req)
                     self.running.append(req)
+            elif c.kind is PlanKind.SWAP_IN and rid in self._loads:  # layer-wise: it has been running meanwhile
+                del self._loads[rid]
+                if not c.ok:  # back to the front of the swapped queue, with the progress it had there
+                    self.running.remove(req)
+                    self.status[rid] = S.SWAPPED
+                    self.swapped.appendleft(req)
             elif c.kind is PlanKind.SWAP_IN:
                 if c.ok:
                     req.num_computed_tokens = c.num_tokens
@@ -202,8 +212,10 @@ class Scheduler:
             self._add(out, req, n)
             scheduled.add(rid)
             budget -= n
+            if self._loads and rid in self._loads:
+                out.loads[rid] = self._loads[rid]
         if not out.preempted:
-            self._resume(out)
+            budget = self._resume(out, budget)
         if not self.swapped and not out.preempted:
             self._admit(out, budget)
         return out
@@ -234,6 +246,8 @@ class Scheduler:
                 self.policy, self._candidates(scheduled | {rid}), short - promised, self.config.mode, tm.cpu_room()
             )
             if victims is None:
+                if rid in self._loads:  # its KV is still landing: it cannot be preempted now; it waits
+                    return False, promised
                 self._preempt(req, out)  # nobody else can make room: vLLM preempts the request itself
                 return False, promised
             for v in victims:
@@ -242,6 +256,7 @@ class Scheduler:
 
     def _candidates(self, exclude: set[Hashable]) -> list[Candidate]:
         """Running requests that may be preempted, ranked by vLLM's rule (higher rank goes first)."""
+        status, loads = self.status, self._loads
         if self.config.scheduling == "fcfs":
             order = list(self.running)
         else:
@@ -256,7 +271,7 @@ class Scheduler:
                 self.tm.quote,
             )
             for rank, r in enumerate(order)
-            if r.request_id not in exclude and self.status[r.request_id] is S.RUNNING
+            if r.request_id not in exclude and status[r.request_id] is S.RUNNING and r.request_id not in loads
         ]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> Preemption:
@@ -280,25 +295,46 @@ class Scheduler:
         """Requests holding a seat: running, or with KV arriving (loading, swapping in)."""
         return len(self.running) + sum(1 for s in self.status.values() if s is S.LOADING or s is S.SWAPPING_IN)
 
-    def _resume(self, out: SchedulerOutput) -> None:
+    def _resume(self, out: SchedulerOutput, budget: int) -> int:
+        """Resume swapped requests, oldest first; return the token budget left."""
         seats = self.config.max_num_seqs - self._num_admitted()
+        layered = self.config.layerwise
         while self.swapped and seats > 0:
             req = self.swapped[0]
             rid = req.request_id
             if self.status[rid] is not S.SWAPPED:
-                return  # oldest first: wait for its swap-out to land
-            res = self.tm.resume(rid)
+                break  # oldest first: wait for its swap-out to land
+            res = self.tm.resume(rid, layered=layered)
             if res is None:
-                return
+                break
             self.swapped.popleft()
             seats -= 1
             out.resumed.append(rid)
-            if res.plan is None:
-                req.num_computed_tokens = res.num_tokens
-                self.status[rid] = S.RUNNING
-                self.running.append(req)
-            else:
+            if res.plan is not None and not layered:
                 self.status[rid] = S.SWAPPING_IN
+                continue
+            req.num_computed_tokens = res.num_tokens
+            self.status[rid] = S.RUNNING
+            self.running.append(req)
+            if res.plan is not None:
+                handle = self.tm.handle(res.plan.plan_id)
+                assert handle is not None
+                self._loads[rid] = handle
+                budget = self._start_loaded(out, req, budget)
+        return budget
+
+    def _start_loaded(self, out: SchedulerOutput, req: Request, budget: int) -> int:
+        """Schedule a request in the step its layer-wise load starts, if its tokens fit now."""
+        n = len(req.all_token_ids) - req.num_computed_tokens
+        if n > budget:
+            if not self.config.chunked_prefill or budget <= 0:
+                return budget
+            n = budget
+        if self.tm.allocate(req.request_id, n) is None:
+            return budget  # runs in a later step, once its load has landed or room is made
+        self._add(out, req, n)
+        out.loads[req.request_id] = self._loads[req.request_id]
+        return budget - n
 
     def _next_waiting(self) -> Request:
         if self.config.scheduling == "fcfs":
@@ -337,9 +373,17 @@ class Scheduler:
 
         ``sampled`` maps the id of every request whose scheduled tokens reached
         the end of its known tokens to the token it sampled (and no other id).
+        A request whose layer-wise load failed (``out.loads``) computed on KV
+        that never landed: its step is discarded (a token it sampled is
+        ignored) and it goes back to the front of the swapped queue.  Loads
+        are settled here, so call this after the step's compute, which waited
+        for every layer.
         """
+        failed = {rid for rid, h in out.loads.items() if not h.wait()}  # waits only: nothing changes yet
         need = 0
         for r, n in out.scheduled:  # check everything before changing anything
+            if r.request_id in failed:
+                continue
             if r.num_computed_tokens + n == len(r.all_token_ids):
                 need += 1
                 t = sampled.get(r.request_id)
@@ -348,11 +392,17 @@ class Scheduler:
                         f"request {r.request_id!r} reached the end of its tokens: sampled must map it to an int "
                         f"token, got {checks.describe(t)}"
                     )
-        if len(sampled) != need:
-            raise InvalidArgumentError(f"sampled has {len(sampled)} entries, but {need} requests sampled a token")
+        extra = len(sampled) - sum(1 for rid in failed if rid in sampled)
+        if extra != need:
+            raise InvalidArgumentError(f"sampled has {extra} entries, but {need} requests sampled a token")
+        for h in out.loads.values():
+            if self.tm.handle(h.plan.plan_id) is h:  # not settled by an abort meanwhile
+                self._apply([self.tm.process_completion(h)])
         finished: list[Request] = []
         on_tokens_computed = self.tm.on_tokens_computed
         for req, n in out.scheduled:
+            if req.request_id in failed or self.status.get(req.request_id) is not S.RUNNING:
+                continue  # its load failed (or it was aborted meanwhile): this step did not count
             in_prompt = req.num_computed_tokens < req.num_prompt_tokens
             req.num_computed_tokens += n
             if in_prompt:
@@ -374,6 +424,7 @@ class Scheduler:
         del self.requests[rid]
         del self.status[rid]
         self._high_water.pop(rid, None)
+        self._loads.pop(rid, None)
 
     def check_consistency(self) -> None:
         """Assert that queues, statuses and the manager's residencies agree (for tests)."""
@@ -387,6 +438,8 @@ class Scheduler:
                 S.SWAPPED: Residency.CPU,
                 S.SWAPPING_IN: Residency.SWAPPING_IN,
             }[st]
+            if rid in self._loads:  # running while its KV lands layer by layer
+                expect = Residency.SWAPPING_IN
             assert res is expect, f"{rid!r}: status {st.value} but residency {res}"
         assert {r.request_id for r in self.running} == {k for k, s in self.status.items() if s is S.RUNNING}
         assert {r.request_id for r in self.waiting} == {k for k, s in self.status.items() if s is S.WAITING}
