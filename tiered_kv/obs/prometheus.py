@@ -54,14 +54,13 @@ class MetricSpec:
         type: ``"counter"``, ``"gauge"`` or ``"histogram"``.
         doc: The HELP text.
         labels: Label names of its own (per-source labels such as ``run`` come first).
-        vllm: The vLLM metric it matches, or ``""``.
+        values: The samples of one reading: ``(label values, value)`` pairs.
     """
 
     name: str
     type: str
     doc: str
     labels: tuple[str, ...]
-    vllm: str
     values: Values
 
 
@@ -88,7 +87,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "KV-cache usage of the GPU pool: the fraction of usable blocks not free. 1 means 100 percent usage.",
         (),
-        "vllm:kv_cache_usage_perc",
         _one(lambda r: r.snapshot.gpu_usage),
     ),
     MetricSpec(
@@ -96,7 +94,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "GPU prefix cache queries, in tokens: every admitted request's tokens.",
         (),
-        "vllm:prefix_cache_queries",
         _one(lambda r: _counters(r).gpu_query_tokens),
     ),
     MetricSpec(
@@ -104,7 +101,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "GPU prefix cache hits, in tokens found cached on the GPU at admission.",
         (),
-        "vllm:prefix_cache_hits",
         _one(lambda r: _counters(r).gpu_hit_tokens),
     ),
     MetricSpec(
@@ -112,7 +108,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "CPU-tier prefix queries, in tokens: the tokens of each admitted request not found on the GPU.",
         (),
-        "vllm:external_prefix_cache_queries",
         _one(lambda r: _counters(r).cpu_query_tokens),
     ),
     MetricSpec(
@@ -120,7 +115,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "CPU-tier prefix hits, in tokens found on the CPU tier at admission (loaded, not recomputed).",
         (),
-        "vllm:external_prefix_cache_hits",
         _one(lambda r: _counters(r).cpu_hit_tokens),
     ),
     MetricSpec(
@@ -128,7 +122,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "Preemptions, by swap and by recompute.",
         (),
-        "vllm:num_preemptions",
         _one(lambda r: _counters(r).preemptions_swap + _counters(r).preemptions_recompute),
     ),
     MetricSpec(
@@ -136,7 +129,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "Requests in the running batch.",
         (),
-        "vllm:num_requests_running",
         _one(lambda r: r.requests_running),
     ),
     MetricSpec(
@@ -144,7 +136,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "Requests waiting to be admitted, including those whose prefix is still loading from the CPU tier.",
         (),
-        "vllm:num_requests_waiting",
         _one(lambda r: r.requests_waiting),
     ),
     # ---- the tiered manager's own
@@ -153,7 +144,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "Requests whose KV is swapping out, on the CPU tier, or swapping back in.",
         (),
-        "",
         _one(lambda r: r.requests_swapped),
     ),
     MetricSpec(
@@ -161,7 +151,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "KV-cache usage of the CPU tier: the fraction of its usable blocks not free. 1 means 100 percent usage.",
         (),
-        "",
         _one(lambda r: r.snapshot.cpu_usage),
     ),
     MetricSpec(
@@ -169,7 +158,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "Usable blocks per tier (the GPU's null block and the CPU store's reserved block excluded).",
         ("tier",),
-        "",
         _per_tier(lambda r: r.snapshot.gpu_blocks, lambda r: r.snapshot.cpu_blocks),
     ),
     MetricSpec(
@@ -177,7 +165,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "Free blocks per tier.",
         ("tier",),
-        "",
         _per_tier(lambda r: r.snapshot.gpu_free_blocks, lambda r: r.snapshot.cpu_free_blocks),
     ),
     MetricSpec(
@@ -185,7 +172,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "CPU-tier blocks holding KV (pinned or not).",
         (),
-        "",
         _one(lambda r: r.snapshot.cpu_cached_blocks),
     ),
     MetricSpec(
@@ -193,7 +179,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "CPU-tier blocks that may not be evicted: pinned by swapped requests and loads, or being written.",
         (),
-        "",
         _one(lambda r: r.snapshot.cpu_pinned_blocks),
     ),
     MetricSpec(
@@ -201,7 +186,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "Cached blocks whose KV was dropped to reuse the block, per tier.",
         ("tier",),
-        "",
         _per_tier(lambda r: _counters(r).gpu_blocks_evicted, lambda r: _counters(r).cpu_blocks_evicted),
     ),
     MetricSpec(
@@ -210,7 +194,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "Blocks moved by copies that landed, per kind (swap_out and offload: GPU to CPU; swap_in and onboard: "
         "CPU to GPU).",
         ("kind",),
-        "",
         _per_kind("blocks"),
     ),
     MetricSpec(
@@ -219,7 +202,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "Bytes moved by copies that landed, per kind (swap_out and offload: GPU to CPU; swap_in and onboard: "
         "CPU to GPU).",
         ("kind",),
-        "",
         _per_kind("bytes"),
     ),
     MetricSpec(
@@ -227,7 +209,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "histogram",
         "Time from submission to completion of each copy that landed, per kind, as its copy engine measured it.",
         ("kind",),
-        "",
         lambda r: [],  # histograms are built from Reading.copy_latency
     ),
     MetricSpec(
@@ -235,7 +216,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "Copies submitted to the copy engine.",
         (),
-        "",
         _one(lambda r: _counters(r).plans_submitted),
     ),
     MetricSpec(
@@ -243,7 +223,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "Copies that failed (their KV stayed where it was).",
         (),
-        "",
         _one(lambda r: _counters(r).plans_failed),
     ),
     MetricSpec(
@@ -251,7 +230,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "Copies cancelled before they ran.",
         (),
-        "",
         _one(lambda r: _counters(r).plans_cancelled),
     ),
     MetricSpec(
@@ -259,7 +237,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "gauge",
         "Copies submitted and not settled yet.",
         (),
-        "",
         _one(lambda r: r.snapshot.plans_in_flight),
     ),
     MetricSpec(
@@ -268,7 +245,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "Preemptions by the mode taken and why (see docs/metrics.md for the reasons); they sum to "
         "vllm:num_preemptions.",
         ("mode", "reason"),
-        "",
         lambda r: list(r.preemptions.items()),
     ),
     MetricSpec(
@@ -276,7 +252,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "Swapped requests whose CPU copy was given up (they are recomputed).",
         (),
-        "",
         _one(lambda r: _counters(r).swaps_dropped),
     ),
     MetricSpec(
@@ -284,7 +259,6 @@ SPECS: tuple[MetricSpec, ...] = (
         "counter",
         "Tokens computed again because a recompute preemption dropped their KV (prefix hits excluded).",
         (),
-        "",
         _one(lambda r: r.tokens_recomputed),
     ),
 )
