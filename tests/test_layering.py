@@ -21,6 +21,7 @@ LAYER = {
     "transfer": 1,
     "manager": 2,
     "sched": 3,
+    "obs": 3.5,  # reads the scheduler and the manager; the drivers (sim, engine) serve or write what it exports
     "sim": 4,
     "engine": 4,
     "demo": 5,

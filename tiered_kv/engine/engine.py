@@ -13,12 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tiered_kv.core.request import Request
 from tiered_kv.engine.model import ModelConfig, TinyLlama
-from tiered_kv.errors import TieredKVError
+from tiered_kv.errors import InvalidTransitionError, TieredKVError
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.tier_manager import TierManager
@@ -28,6 +29,9 @@ from tiered_kv.transfer.event_handle import EventTransferHandle
 from tiered_kv.transfer.factory import make_copy_engine
 from tiered_kv.transfer.plan import TransferHandle
 from tiered_kv.transfer.storage_engine import StorageEngineBase
+
+if TYPE_CHECKING:
+    from tiered_kv.obs.prometheus import MetricsServer
 
 
 class EngineStalledError(TieredKVError, RuntimeError):
@@ -63,6 +67,8 @@ class Engine:
             computes in the step its load starts, layer ``i`` waiting only for
             layer ``i`` of the load (on CUDA the compute stream waits on the
             layer's event; on the CPU the host waits for the layer).
+        metrics_port: Serve Prometheus metrics on this port of 127.0.0.1 (0: a
+            free port; see :meth:`serve_metrics`).  Needs the metrics extra.
     """
 
     def __init__(
@@ -86,7 +92,12 @@ class Engine:
         hash_fn: str = "sha256",
         evict_window: int = 64,
         layerwise: bool = False,
+        metrics_port: int | None = None,
     ) -> None:
+        if metrics_port is not None:  # a bad port or a missing extra fails before anything is allocated
+            from tiered_kv.obs.prometheus import check_port
+
+            check_port(metrics_port)
         self.config = model_config or ModelConfig()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = device
@@ -127,6 +138,13 @@ class Engine:
         self.record_logits = record_logits
         self.forced: dict[Hashable, list[int]] = {}
         self.stats = EngineStats()
+        self.metrics_server: MetricsServer | None = None
+        if metrics_port is not None:
+            try:
+                self.serve_metrics(metrics_port)
+            except BaseException:
+                self.close()
+                raise
 
     def add_request(
         self, request_id: Hashable, prompt: Sequence[int], max_tokens: int, forced_output: Sequence[int] | None = None
@@ -156,6 +174,7 @@ class Engine:
                 t0 = time.perf_counter()
                 sched.wait_for_copies(5.0)
                 self.stats.wait_s += time.perf_counter() - t0
+                self._publish_metrics()
                 return True
             if sched.num_unfinished:
                 raise EngineStalledError(
@@ -163,6 +182,7 @@ class Engine:
                     f"{len(sched.running)} running, {len(sched.swapped)} swapped), nothing schedulable and no "
                     "copy in flight; the GPU pool may be too small for the longest request"
                 )
+            self._publish_metrics()
             return False
         sampled: dict[Hashable, int] = {}
         kv = self.tiers["GPU"]
@@ -201,6 +221,7 @@ class Engine:
         self.stats.step_log.append((out.num_tokens, attn, ctx, len(out.scheduled), dt, compute))
         if out.recomputed_tokens:
             self.stats.recompute_s += dt * out.recomputed_tokens / out.num_tokens
+        self._publish_metrics()
         return True
 
     def _wait_layer(self, handle: TransferHandle, layer: int) -> bool:
@@ -223,12 +244,33 @@ class Engine:
                 break
         self.scheduler.drain(10)
         self.stats.wall_s += time.perf_counter() - t0
+        self._publish_metrics()
         return self.outputs
 
     def metrics(self) -> MetricsSnapshot:
         """The tier manager's counters and gauges."""
         return self.scheduler.metrics()
 
+    def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> str:
+        """Serve Prometheus metrics (``docs/metrics.md``) at ``http://host:port/metrics`` until :meth:`close`.
+
+        Port 0 picks a free port.  Scrapes see the state at the end of the
+        last step (or of :meth:`run`), never a half-done step.  Needs the
+        metrics extra (``pip install 'tiered-kv[metrics]'``).  Returns the URL.
+        """
+        from tiered_kv.obs.prometheus import MetricsServer
+
+        if self.metrics_server is not None:
+            raise InvalidTransitionError(f"metrics are already served at {self.metrics_server.url}")
+        self.metrics_server = MetricsServer(self.scheduler, port, host)
+        return self.metrics_server.url
+
+    def _publish_metrics(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.publish()
+
     def close(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if hasattr(self.copy, "close"):
             self.copy.close()

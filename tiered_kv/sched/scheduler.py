@@ -33,7 +33,7 @@ next step computes it).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 from tiered_kv import checks
 from tiered_kv.core.request import Request
@@ -74,6 +74,8 @@ class Scheduler:
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
         self.copies_landed = 0
+        # Called with every copy the scheduler applies, after it is applied (metrics exporters observe here).
+        self.completion_observers: list[Callable[[Completion], None]] = []
 
     # --------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
@@ -183,6 +185,9 @@ class Scheduler:
             if rid in self._aborting:
                 self._aborting.discard(rid)
                 self._finish(req)
+        for observe in self.completion_observers:  # after the loop: a raising observer cannot leave a copy half-applied
+            for c in done:
+                observe(c)
 
     # -------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:

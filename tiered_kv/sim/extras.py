@@ -22,6 +22,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "matplotlib": ("matplotlib", "pip install 'tiered-kv[sim]'"),
     "tqdm": ("tqdm", "pip install 'tiered-kv[sim]'"),
     "ray": ("ray", "pip install 'tiered-kv[ray]'"),
+    "prometheus_client": ("prometheus-client", "pip install 'tiered-kv[metrics]'"),
     "torch": ("torch", "pip install 'tiered-kv[torch]', or your own CUDA build of torch (see the README)"),
 }
 

@@ -68,6 +68,7 @@ class SimCopyEngine:
         self.end_of[plan.plan_id] = end
         self.intervals.append((start, end, direction, nbytes))
         handle.status = TransferStatus.RUNNING
+        handle._sim_elapsed_s = end - now  # type: ignore[attr-defined]  # reported on simulated time, not wall time
         if self.failure_rate and self._rng.random() < self.failure_rate:
             handle._injected_failure = True  # type: ignore[attr-defined]
         self.loop.schedule(end, "transfer_done", handle)
@@ -83,3 +84,4 @@ class SimCopyEngine:
             handle._finish(TransferStatus.FAILED, TransferError(f"plan {handle.plan.plan_id}: injected failure"))
         else:
             handle._finish(TransferStatus.DONE)
+        handle.elapsed_s = handle._sim_elapsed_s  # type: ignore[attr-defined]

@@ -7,10 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.obs.recorder import MetricsRecorder, Reading
 from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import load_calibration
 from tiered_kv.sim.config import load_config, setup
 from tiered_kv.sim.extras import import_extra
+from tiered_kv.sim.files import write_text
 from tiered_kv.sim.progress import Progress
 from tiered_kv.sim.report import demand_ratio, plot, table, write_json
 from tiered_kv.sim.simulator import Simulator
@@ -27,6 +29,7 @@ def simulate(
     emit: Callable[[str], None] = print,
     progress: bool = True,
     calibration: Path | None = None,
+    metrics_path: Path | None = None,
 ) -> dict[str, Any]:
     """Run every ``runs`` entry of a config on one workload; return the results document.
 
@@ -35,12 +38,16 @@ def simulate(
     measured model, link and step times replace the config's hardware and
     model profiles.  The workload's memory and time are estimated first, and a
     config that could not finish on this machine is refused before anything runs.
+    With ``metrics_path``, the Prometheus text exposition of every run so far
+    (label ``run``) is written there at the end of each run (``docs/metrics.md``).
     """
     cal = load_calibration(calibration) if calibration is not None else None
     cfg = load_config(config, overrides, cal)
     setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
     if plots_dir is not None:
         import_extra("matplotlib", "--plots")  # before the run, not after it
+    if metrics_path is not None:
+        import_extra("prometheus_client", "--metrics")
     workload = build_workload(cfg, setups)
     first = setups[0]
     ratio = demand_ratio(cfg, first, workload)
@@ -51,6 +58,7 @@ def simulate(
         f"KV demand of {cfg['scheduler']['max_num_seqs']} running requests = {ratio:.2f}x the GPU pool"
     )
     results = []
+    readings: list[tuple[dict[str, str], Reading]] = []
     n = len(workload)
     with Progress("simulate", n * len(setups), "requests", enabled=progress) as prog:
         say = prog.wrap(emit)
@@ -60,8 +68,13 @@ def simulate(
                 prog.update(base + done, f"{name}, simulated {sim_t:.0f} s")
 
             t0 = time.perf_counter()
-            res = Simulator(st, workload, progress=hook).run()
+            sim = Simulator(st, workload, progress=hook)
+            recorder = MetricsRecorder(sim.scheduler) if metrics_path is not None else None
+            res = sim.run()
             wall = time.perf_counter() - t0
+            if recorder is not None:
+                readings.append(({"run": st.name}, recorder.read()))
+                write_metrics(metrics_path, readings)
             say(
                 f"  {st.name}: {res['makespan_s']:.1f} simulated s in {wall:.1f} wall s "
                 f"({res['makespan_s'] / wall:.1f} sim-s/s, {n / wall:.0f} requests/s)"
@@ -80,7 +93,16 @@ def simulate(
     if json_path is not None:
         write_json(json_path, doc)
         emit(f"\nwrote {json_path}")
+    if metrics_path is not None:
+        emit(f"wrote {metrics_path}")
     if plots_dir is not None:
         for p in plot(results, plots_dir, cfg["name"]):
             emit(f"wrote {p}")
     return doc
+
+
+def write_metrics(path: Path, readings: list[tuple[dict[str, str], Reading]]) -> None:
+    """Write the runs' metrics as one Prometheus text exposition (needs the metrics extra)."""
+    from tiered_kv.obs.prometheus import exposition
+
+    write_text(path, exposition(readings), "--metrics")

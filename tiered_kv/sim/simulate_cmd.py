@@ -37,6 +37,13 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         metavar="PATH",
         help="simulate with the cost model measured by `tiered-kv crossover` (a calibration JSON file)",
     )
+    p.add_argument(
+        "--metrics",
+        type=Path,
+        metavar="PATH",
+        help="write every run's metrics as a Prometheus text exposition (label run=NAME) to this file; "
+        "needs the metrics extra",
+    )
     p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
     p.set_defaults(func=run)
     return p
@@ -49,10 +56,20 @@ def run(args: argparse.Namespace) -> int:
     import_extra("yaml", "this command")
     if args.json is not None:
         check_output_file(args.json, "--json")
+    if args.metrics is not None:
+        import_extra("prometheus_client", "--metrics")
+        check_output_file(args.metrics, "--metrics")
     if args.plots is not None:
         import_extra("matplotlib", "--plots")
         check_output_dir(args.plots, "--plots")
     from tiered_kv.sim.runner import simulate
 
-    simulate(args.config, args.json, args.plots, progress=not args.no_progress, calibration=args.calibration)
+    simulate(
+        args.config,
+        args.json,
+        args.plots,
+        progress=not args.no_progress,
+        calibration=args.calibration,
+        metrics_path=args.metrics,
+    )
     return 0

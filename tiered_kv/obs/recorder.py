@@ -1,0 +1,187 @@
+"""Readings: everything an exporter shows, taken at one instant by the thread that drives the scheduler.
+
+The tier manager and the scheduler are single-threaded (a second thread
+entering the manager is an error), while an HTTP exporter answers on threads
+of its own.  So the driver takes a :class:`Reading` at a step boundary, an
+immutable value, and exporters only ever read the latest one: a scrape never
+touches the manager, and every number in one scrape comes from the same
+instant.  vLLM's engine does the same: its scheduler makes stats each step and
+the Prometheus logger records them.
+
+Sources of truth: ``Scheduler.metrics()`` (the manager's counters and gauges),
+``Scheduler.tokens_recomputed``, the scheduler's request statuses, the
+manager's decision log (preemptions by mode and reason) and the copies the
+scheduler applies (latency per kind, observed through
+``Scheduler.completion_observers``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from tiered_kv import checks
+from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.manager.metrics import MetricsSnapshot
+from tiered_kv.manager.outcomes import Completion
+from tiered_kv.obs.reasons import REASONS, decision_reason
+from tiered_kv.sched.scheduler import Scheduler
+from tiered_kv.sched.status import RequestStatus
+from tiered_kv.transfer.plan import PlanKind
+
+# Upper bounds (seconds) of the copy-latency buckets: from a few blocks over
+# NVLink-class links (~10 us) to a multi-GiB swap over a slow link (seconds).
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
+# Kinds the manager emits (PlanKind.COPY is for benchmarks and tests only).
+COPY_KINDS: tuple[str, ...] = tuple(
+    k.value for k in (PlanKind.SWAP_OUT, PlanKind.SWAP_IN, PlanKind.ONBOARD, PlanKind.OFFLOAD)
+)
+
+_WAITING = (RequestStatus.WAITING, RequestStatus.LOADING)
+_SWAPPED = (RequestStatus.SWAPPING_OUT, RequestStatus.SWAPPED, RequestStatus.SWAPPING_IN)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyHistogram:
+    """Latencies of the copies of one kind that landed.
+
+    Attributes:
+        bounds: Bucket upper bounds in seconds, increasing (``+Inf`` is implied).
+        cumulative: Copies at or under each bound, then the total (one more entry than ``bounds``).
+        sum_s: Sum of all latencies.
+    """
+
+    bounds: tuple[float, ...]
+    cumulative: tuple[int, ...]
+    sum_s: float
+
+    @property
+    def count(self) -> int:
+        return self.cumulative[-1]
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """Every exported number, from one instant.
+
+    Attributes:
+        snapshot: The manager's counters and gauges.
+        tokens_recomputed: ``Scheduler.tokens_recomputed``.
+        requests_running: Requests with status RUNNING.
+        requests_waiting: WAITING plus LOADING (vLLM counts requests whose KV
+            is still arriving from a connector as waiting).
+        requests_swapped: SWAPPING_OUT, SWAPPED and SWAPPING_IN.
+        preemptions: ``(mode, reason label) -> count``, every possible pair present.
+        copy_latency: Copy kind -> latencies of the copies of that kind that landed.
+    """
+
+    snapshot: MetricsSnapshot
+    tokens_recomputed: int
+    requests_running: int
+    requests_waiting: int
+    requests_swapped: int
+    preemptions: Mapping[tuple[str, str], int]
+    copy_latency: Mapping[str, LatencyHistogram]
+
+
+class MetricsRecorder:
+    """Observes one scheduler and takes :class:`Reading` s of it.
+
+    It subscribes to the scheduler's completions when built (latencies of
+    copies applied earlier are not known to it) and reads the decision log
+    incrementally.  Call :meth:`read` and :meth:`observe` from the thread that
+    drives the scheduler; a :class:`Reading` may then go to any thread.
+
+    Args:
+        scheduler: The scheduler to observe.
+        buckets: Latency bucket upper bounds in seconds, increasing.
+    """
+
+    def __init__(self, scheduler: Scheduler, buckets: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
+        checks.instance("scheduler", scheduler, Scheduler)
+        if (
+            not isinstance(buckets, tuple)
+            or not buckets
+            or any(b.__class__ not in (int, float) or not 0 < b < float("inf") for b in buckets)
+            or any(a >= b for a, b in itertools.pairwise(buckets))
+        ):
+            raise InvalidArgumentError(
+                f"buckets must be a non-empty tuple of increasing finite seconds > 0, got {checks.describe(buckets)}"
+            )
+        self.scheduler = scheduler
+        self.buckets = buckets
+        self._counts = {k: [0] * (len(buckets) + 1) for k in COPY_KINDS}
+        self._sums = dict.fromkeys(COPY_KINDS, 0.0)
+        self._preemptions = {(m.value, r): 0 for r, modes in REASONS.items() for m in modes}
+        self._decisions_read = 0
+        scheduler.completion_observers.append(self.observe)
+
+    def close(self) -> None:
+        """Stop observing the scheduler (idempotent)."""
+        observers = self.scheduler.completion_observers
+        if self.observe in observers:
+            observers.remove(self.observe)
+
+    def observe(self, completion: Completion) -> None:
+        """Count one applied copy: its latency, if it landed."""
+        counts = self._counts.get(completion.kind.value)
+        if not completion.ok or counts is None:
+            return
+        counts[bisect.bisect_left(self.buckets, completion.elapsed_s)] += 1
+        self._sums[completion.kind.value] += completion.elapsed_s
+
+    def read(self) -> Reading:
+        """Everything, now."""
+        sched = self.scheduler
+        log = sched.tm.decision_log
+        for d in log[self._decisions_read :]:
+            key = (d.mode.value, decision_reason(d))
+            self._preemptions[key] += 1
+        self._decisions_read = len(log)
+        running = waiting = swapped = 0
+        for st in sched.status.values():
+            if st is RequestStatus.RUNNING:
+                running += 1
+            elif st in _WAITING:
+                waiting += 1
+            elif st in _SWAPPED:
+                swapped += 1
+        latency = {}
+        for kind, counts in self._counts.items():
+            cumulative, total = [], 0
+            for n in counts:
+                total += n
+                cumulative.append(total)
+            latency[kind] = LatencyHistogram(self.buckets, tuple(cumulative), self._sums[kind])
+        return Reading(
+            snapshot=sched.metrics(),
+            tokens_recomputed=sched.tokens_recomputed,
+            requests_running=running,
+            requests_waiting=waiting,
+            requests_swapped=swapped,
+            preemptions=MappingProxyType(dict(self._preemptions)),
+            copy_latency=MappingProxyType(latency),
+        )
