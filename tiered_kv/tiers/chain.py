@@ -216,18 +216,23 @@ class TierChain:
         """
         return self._reserve(keys, self._tier("src", src, 1), 0)
 
-    def demote(self, src: int, keys: Sequence[Key]) -> Move | None:
-        """Reserve a copy of ready blocks of tier ``src`` into the tier below it.
+    def demote(self, src: int, keys: Sequence[Key], dst: int | None = None) -> Move | None:
+        """Reserve a copy of ready blocks of tier ``src`` into a lower tier (by default the next one).
 
         Keys the lower tier already holds are skipped.  Returns ``None``,
         changing nothing, if the lower tier cannot make room.
+
+        Every I/O engine moves bytes between the CPU tier and its own medium,
+        so a block goes from one tier below the CPU to another in two moves
+        through the CPU tier: ``stage(keys, src)``, then ``demote(0, keys, dst)``.
 
         Raises:
             BlockStateError: a key is not ready in ``src``; nothing changes.
             InvalidArgumentError: the lower tier cannot name a key (a private key); nothing changes.
         """
         src = self._tier("src", src, 0, len(self.stores) - 2)
-        return self._reserve(keys, src, src + 1)
+        dst = src + 1 if dst is None else self._tier("dst", dst, src + 1)
+        return self._reserve(keys, src, dst)
 
     def _reserve(self, keys: Sequence[Key], src: int, dst: int) -> Move | None:
         check_keys("keys", keys)
