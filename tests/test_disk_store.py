@@ -183,3 +183,26 @@ def test_int_keys_have_names_too(tmp_path):
         assert store.path_of(12345).name == "i12345.kv" and store.path_of(-(2**63)).is_file()
     with DiskStore(tmp_path, NS, 4 * SLOT) as store:
         assert {e.key for e in store.entries()} == {-(2**63), 12345}
+
+
+def test_key_names_round_trip_and_nothing_else_parses():
+    from tiered_kv.tiers.namespace import key_name, parse_key_name
+
+    for k in (key(3), b"\x00", b"\xff" * 64, 0, -1, 2**64):
+        assert parse_key_name(key_name(k)) == k and type(parse_key_name(key_name(k))) is type(k)
+    for name in ("i007", "i+7", "i", "", "abc", "ABCD", "zz", "00" * 65, "i1.5"):
+        assert parse_key_name(name) is None, name
+    with pytest.raises(InvalidArgumentError, match="must be a block hash"):
+        key_name(b"\x00" * 65)
+
+
+def test_an_empty_plan_finishes_at_once_and_a_closed_engine_takes_no_more(tmp_path):
+    from tiered_kv.errors import PlanError
+
+    with DiskStore(tmp_path, NS, 4 * SLOT) as store:
+        io = DiskIO(host(), store)
+        h = io.submit(plan(1, "CPU", "DISK", [], []))
+        assert h.done() and h.ok and h.outcomes == []
+        io.close()
+        with pytest.raises(PlanError, match="engine is closed"):
+            io.submit(plan(2, "CPU", "DISK", [], []))

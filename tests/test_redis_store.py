@@ -83,7 +83,8 @@ def test_a_block_stored_by_one_manager_is_found_and_loaded_by_another(server):
     c, _, c_io = manager(server, seed=3)
     h = store_blocks(c, c_io, keys, [1, 2, 3, 4, 5])
     assert h.ok and h.outcomes == [PRESENT] * 5 and c_io.stats.blocks_stored == 5
-    a.check_invariants(), b.check_invariants(), c.check_invariants()
+    for s in (a, b, c):
+        s.check_invariants()
 
 
 def test_a_claimed_block_is_busy_for_a_second_writer_and_nothing_is_sent_twice(server):

@@ -136,7 +136,10 @@ class KeyedStore(CPUStore):
         return now
 
     def _unpinned(self, key: Key) -> bool:
-        return self.room_for([]) != self.room_for([key])  # a ready key counts as room only when unpinned
+        # room_for protects the keys it is given that are ready and unpinned, and only those: so a
+        # ready key changes the answer exactly when no load pins it.  The pin count stays the CPU
+        # store's own fact instead of being mirrored here.
+        return self.room_for([]) != self.room_for([key])
 
     def _drop_bad(self, keys: list[Key]) -> None:
         CPUStore.remove(self, keys)
