@@ -180,7 +180,10 @@ def test_write_through_demotes_on_store_and_write_back_keeps_a_clean_reserve(tmp
 def test_bad_requests_are_refused_and_change_nothing(tiers):
     t = tiers
     t.compute([key(0), key(1), ("req-1", 0)])
-    snap = lambda: (t.cpu.entries(), t.disk.entries(), t.remote.entries(), t.chain.open_moves)  # noqa: E731
+
+    def snap() -> tuple:
+        return t.cpu.entries(), t.disk.entries(), t.remote.entries(), t.chain.open_moves
+
     before = snap()
     with pytest.raises(BlockStateError, match=r"keys\[1\] = .* is not ready in the CPU tier"):
         t.chain.demote(0, [key(0), key(5)])
