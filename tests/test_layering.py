@@ -1,7 +1,9 @@
 """Imports point one way (DESIGN.md): a layer imports only the layers below it.
 
 Within a layer, only these edges exist: transfer -> storage (the engines move
-storage's bytes) and the command line -> its tools and demo.  The simulator and
+storage's bytes), the tiers below the CPU -> the manager's store interface
+(they are stores, and reuse the CPU store's bookkeeping) and the command line
+-> its tools and demo.  The simulator and
 the real engine are both drivers of the scheduler and never import each other:
 the tools that compare them (crossover, fidelity) sit above both.  ``errors``
 and ``checks`` sit below every layer.
@@ -20,6 +22,7 @@ LAYER = {
     "storage": 1,
     "transfer": 1,
     "manager": 2,
+    "tiers": 2,
     "sched": 3,
     "obs": 3.5,  # reads the scheduler and the manager; the drivers (sim, engine) serve or write what it exports
     "sim": 4,
@@ -30,6 +33,7 @@ LAYER = {
 }
 ALLOWED_SIDEWAYS = {
     ("transfer", "storage"),
+    ("tiers", "manager"),
     ("cli", "tools"),
     ("cli", "demo"),
     ("__init__", "errors"),
@@ -76,3 +80,30 @@ def test_core_and_transfer_plans_import_no_third_party_packages():
             if isinstance(node, ast.Import | ast.ImportFrom):
                 mod = (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name) or ""
                 assert mod.split(".")[0] not in {"torch", "numpy", "cupy", "yaml"}, f"{path} imports {mod}"
+
+
+def test_tiers_use_only_the_store_interface_of_the_manager():
+    """The tier manager will drive the tiers; they may see its stores, never its front or its policies."""
+    root = pathlib.Path(tiered_kv.__file__).parent
+    allowed = {"tiered_kv.manager.store", "tiered_kv.manager.cpu_store", "tiered_kv.manager.store_policies"}
+    bad = []
+    for path in (root / "tiers").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tiered_kv.manager"):
+                if node.module not in allowed:
+                    bad.append(f"{path.name} imports {node.module}")
+    assert bad == []
+
+
+def test_the_tier_chain_and_the_stores_import_no_third_party_packages():
+    """Only the I/O engines touch tensors (torch) and only the Redis modules the redis client."""
+    root = pathlib.Path(tiered_kv.__file__).parent / "tiers"
+    names = ("chain", "namespace", "block_format", "keyed_store", "io_handle", "disk_store", "redis_health")
+    for path in (root / f"{n}.py" for n in names):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                mod = (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name) or ""
+                assert mod.split(".")[0] not in {"torch", "numpy", "redis", "yaml"}, f"{path} imports {mod}"
+                assert not mod.startswith(("tiered_kv.storage.kv_storage", "tiered_kv.tiers.io_engine")), (
+                    f"{path} imports {mod}, which needs torch"
+                )

@@ -1,0 +1,275 @@
+"""The I/O engine of a store below the CPU tier: plans in, per-block outcomes out, on a thread pool.
+
+A plan is an ordinary :class:`~tiered_kv.transfer.plan.TransferPlan` between the
+CPU tier and the store's medium: ``CPU -> DISK`` stores, ``DISK -> CPU`` loads.
+Its CPU side names slots of the CPU tensor; its other side names the store's
+slots, from ``prepare_store``/``prepare_load``, which the engine resolves to
+keys when the plan is submitted (on the caller's thread, so the store itself
+stays single-threaded).
+
+Unlike a memory copy, a block's I/O can fail on its own (a full disk, a
+corrupt file, a server that went away) while its neighbours succeed.  So the
+handle, a :class:`BlockIOHandle`, carries one :class:`BlockOutcome` per block.
+Its status sums them up: ``DONE`` only if every block landed, ``FAILED`` if
+any did not, ``CANCELLED`` if it was cancelled.  Whatever the status, the
+outcomes say which blocks landed, and the caller completes the store's verbs
+per block; a caller that reads only the status and treats a ``FAILED`` plan as
+wholly failed still loses nothing, it only wastes the blocks that did land.
+
+Loads and stores run on separate pools, so a load a request waits for is
+never queued behind a long write-back.
+"""
+
+from __future__ import annotations
+
+import abc
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from tiered_kv import checks
+from tiered_kv.errors import BlockStateError, PlanError, TransferError
+from tiered_kv.manager.store import Key
+from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.tiers.host_blocks import HostBlocks
+from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
+from tiered_kv.tiers.keyed_store import KeyedStore
+from tiered_kv.transfer.plan import TransferPlan, TransferStatus
+
+FaultHook = Callable[[str, Key], None]
+"""Called as ``hook("store" | "load", key)`` in the worker before a block's I/O; what it raises is that I/O's error."""
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One block of a batch: its position in the plan, its key and its CPU slot."""
+
+    index: int
+    key: Key
+    host_block: int
+
+
+@dataclass(slots=True)
+class IOStats:
+    """Counters since the engine was built (blocks and bytes that landed, outcomes of every block)."""
+
+    blocks_stored: int = 0
+    bytes_stored: int = 0
+    blocks_loaded: int = 0
+    bytes_loaded: int = 0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+
+class BlockIOEngine(abc.ABC):
+    """Executes plans between a CPU :class:`KVStorage` and a :class:`KeyedStore`'s medium.
+
+    Args:
+        host: The CPU tier's storage (the staging area).
+        store: The store whose medium the engine reads and writes.
+        load_workers: Threads for loads.
+        store_workers: Threads for stores.
+        batch_blocks: Blocks per task (one pipeline for Redis, that many files for disk).
+        fault_hook: See :data:`FaultHook` (fault injection in tests).
+    """
+
+    def __init__(
+        self,
+        host: KVStorage,
+        store: KeyedStore,
+        load_workers: int = 4,
+        store_workers: int = 2,
+        batch_blocks: int = 8,
+        fault_hook: FaultHook | None = None,
+    ) -> None:
+        checks.instance("store", store, KeyedStore)
+        checks.count("load_workers", load_workers, 1)
+        checks.count("store_workers", store_workers, 1)
+        checks.count("batch_blocks", batch_blocks, 1)
+        if fault_hook is not None and not callable(fault_hook):
+            raise PlanError(f"fault_hook must be callable, got {checks.describe(fault_hook)}")
+        self.host = HostBlocks(host)
+        self.store = store
+        self.batch_blocks = batch_blocks
+        self.fault_hook = fault_hook
+        name = type(self).__name__
+        self._pools = {
+            "load": ThreadPoolExecutor(load_workers, thread_name_prefix=f"{name}-load"),
+            "store": ThreadPoolExecutor(store_workers, thread_name_prefix=f"{name}-store"),
+        }
+        self._lock = threading.Lock()
+        self._live: dict[int, BlockIOHandle] = {}
+        self._stats = IOStats()
+        self._closed = False
+
+    @property
+    def medium(self) -> str:
+        return self.store.medium
+
+    # -------------------------------------------------------------- submit
+    def submit(self, plan: TransferPlan) -> BlockIOHandle:
+        """Check the plan, resolve its keys and queue its batches; return at once.
+
+        Raises:
+            PlanError: the plan does not go between the CPU tier and this medium, its ids are
+                out of range, or its store-side slots are not reserved for this direction
+                (pending for a store, ready for a load).  Nothing is queued.
+        """
+        if not isinstance(plan, TransferPlan):
+            raise PlanError(f"submit() takes a TransferPlan, got {checks.describe(plan)}")
+        if self._closed:
+            raise PlanError(f"the {self.medium} I/O engine is closed")
+        host_medium = self.host.storage.medium
+        if (plan.src_medium, plan.dst_medium) == (host_medium, self.medium):
+            op, host_ids, slots = "store", plan.src_block_ids, plan.dst_block_ids
+        elif (plan.src_medium, plan.dst_medium) == (self.medium, host_medium):
+            op, host_ids, slots = "load", plan.dst_block_ids, plan.src_block_ids
+        else:
+            raise PlanError(
+                f"plan {plan.plan_id}: the {self.medium} I/O engine moves {host_medium} <-> {self.medium}, "
+                f"not {plan.src_medium} -> {plan.dst_medium}"
+            )
+        if op == "store":
+            plan.validate(self.host.num_blocks, self.store.num_blocks)
+        else:
+            plan.validate(self.store.num_blocks, self.host.num_blocks)
+        if len(set(host_ids)) != len(host_ids):
+            raise PlanError(f"plan {plan.plan_id}: a CPU slot is listed twice")
+        keys = tuple(self._resolve(plan, op, slots))
+        handle = BlockIOHandle(plan, num_bytes=plan.num_blocks * self.host.block_bytes, keys=keys)
+        handle.outcomes = [BlockOutcome.CANCELLED] * len(keys)
+        jobs = [Job(i, key, host_ids[i]) for i, key in enumerate(keys)]
+        batches = [jobs[i : i + self.batch_blocks] for i in range(0, len(jobs), self.batch_blocks)]
+        with self._lock:
+            if plan.plan_id in self._live:
+                raise PlanError(f"plan {plan.plan_id} is already in flight")
+            self._live[plan.plan_id] = handle
+            handle._batches_left = len(batches)
+        if not batches:
+            self._finish(handle)
+        for batch in batches:
+            self._pools[op].submit(self._run, handle, op, batch)
+        return handle
+
+    def _resolve(self, plan: TransferPlan, op: str, slots: Sequence[int]) -> list[Key]:
+        keys = []
+        for i, slot in enumerate(slots):
+            try:
+                key = self.store.key_at(slot)
+            except BlockStateError as exc:
+                raise PlanError(f"plan {plan.plan_id}: {exc}") from None
+            ready = self.store.is_ready(key)
+            if ready != (op == "load"):
+                want = "ready (prepare_load)" if op == "load" else "pending (prepare_store)"
+                raise PlanError(
+                    f"plan {plan.plan_id}: slot {slot} (position {i}) of the {self.medium} store is not {want}"
+                )
+            keys.append(key)
+        return keys
+
+    # -------------------------------------------------------------- cancel
+    def cancel(self, handle: BlockIOHandle) -> bool:
+        """Stop the batches that have not started; True exactly when the handle ends ``CANCELLED``.
+
+        Batches already running finish, and their outcomes stand: a block that
+        landed before the cancel is reported as landed.
+        """
+        if not isinstance(handle, BlockIOHandle):
+            raise PlanError(f"cancel() takes a BlockIOHandle, got {checks.describe(handle)}")
+        with self._lock:
+            if handle.done() or self._live.get(handle.plan.plan_id) is not handle:
+                return False
+            handle._cancel_requested = True
+            return True
+
+    # -------------------------------------------------------------- workers
+    def _run(self, handle: BlockIOHandle, op: str, batch: list[Job]) -> None:
+        if handle._cancel_requested:
+            outcomes = [BlockOutcome.CANCELLED] * len(batch)
+        else:
+            handle._start()
+            try:
+                outcomes = self._store_batch(batch) if op == "store" else self._load_batch(batch)
+                assert len(outcomes) == len(batch), "an I/O batch must report every block"
+            except Exception as exc:  # a bug or an unforeseen error fails the batch, never the worker
+                outcomes = [BlockOutcome.ERROR] * len(batch)
+                with self._lock:
+                    handle.error = handle.error or exc
+        landed = sum(1 for o in outcomes if o.landed)
+        with self._lock:
+            for job, outcome in zip(batch, outcomes, strict=True):
+                handle.outcomes[job.index] = outcome
+                self._stats.outcomes[outcome.value] = self._stats.outcomes.get(outcome.value, 0) + 1
+            if op == "store":
+                self._stats.blocks_stored += landed
+                self._stats.bytes_stored += landed * self.host.block_bytes
+            else:
+                self._stats.blocks_loaded += landed
+                self._stats.bytes_loaded += landed * self.host.block_bytes
+            handle._batches_left -= 1
+            last = handle._batches_left == 0
+        if last:
+            self._finish(handle)
+
+    def _finish(self, handle: BlockIOHandle) -> None:
+        with self._lock:
+            if self._live.get(handle.plan.plan_id) is handle:
+                del self._live[handle.plan.plan_id]
+            plan_id = handle.plan.plan_id
+            if handle._cancel_requested:
+                handle._finish(TransferStatus.CANCELLED, TransferError(f"plan {plan_id}: cancelled"))
+            elif all(o.landed for o in handle.outcomes):
+                handle._finish(TransferStatus.DONE)
+            else:
+                bad = sorted({o.value for o in handle.outcomes if not o.landed})
+                count = sum(1 for o in handle.outcomes if not o.landed)
+                cause = f" ({handle.error})" if handle.error is not None else ""
+                err = TransferError(f"plan {plan_id}: {count} of {len(handle.outcomes)} blocks failed: {bad}{cause}")
+                handle._finish(TransferStatus.FAILED, err)
+
+    def _fault(self, op: str, key: Key) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook(op, key)
+
+    @abc.abstractmethod
+    def _store_batch(self, batch: list[Job]) -> list[BlockOutcome]:
+        """Write each job's CPU block to the medium under its key; one outcome per job."""
+
+    @abc.abstractmethod
+    def _load_batch(self, batch: list[Job]) -> list[BlockOutcome]:
+        """Read each job's block from the medium into its CPU slot; one outcome per job."""
+
+    # -------------------------------------------------------------- life
+    @property
+    def stats(self) -> IOStats:
+        """A copy of the counters."""
+        with self._lock:
+            s = self._stats
+            return IOStats(s.blocks_stored, s.bytes_stored, s.blocks_loaded, s.bytes_loaded, dict(s.outcomes))
+
+    @property
+    def num_in_flight(self) -> int:
+        """Plans submitted and not final."""
+        with self._lock:
+            return len(self._live)
+
+    def close(self) -> None:
+        """Finish every queued plan, then stop the threads."""
+        self._closed = True
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+
+    def __enter__(self) -> BlockIOEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_ids = itertools.count()
+
+
+def unique_suffix() -> str:
+    """A process-unique token for temporary names (threads of one process never collide)."""
+    return str(next(_ids))
