@@ -106,6 +106,7 @@ def test_cpu_form_overlap_counts_no_syncs_and_writes_a_trace(cpu_run):
     lw = o["layerwise"]
     assert lw["serial_s"] > 0 and lw["pipelined_reference_s"] > 0
     assert lw["engine_layerwise"]["measured"] is False
+    assert o["trace"]["file"] == doc["files"]["trace"] == "gpu-check-trace.json"  # small here: not gzipped
     events = json.loads((out / "gpu-check-trace.json").read_text())["traceEvents"]
     for name, counted in o["trace"]["regions"].items():
         again = trace_syncs(events, f"gpu_check/{name}")
@@ -241,6 +242,7 @@ def test_pytest_log_parsing_keeps_ids_with_spaces_and_skip_reasons():
         tests/a.py::test_y[cupy] FAILED [ 50%]
         tests/b.py::test_z SKIPPED [ 75%]
         tests/b.py::test_w ERROR [100%]
+        ____________ ERROR collecting tests/c.py ____________
         SKIPPED [1] tests/b.py:3: needs CUDA
         ======= 1 failed, 1 passed, 1 skipped, 1 error in 2.50s =======
         """
@@ -251,5 +253,5 @@ def test_pytest_log_parsing_keeps_ids_with_spaces_and_skip_reasons():
         {"test": "tests/a.py::test_y[cupy]", "outcome": "failed"},
         {"test": "tests/b.py::test_w", "outcome": "error"},
     ]
-    assert got["skip_reasons"] == {"needs CUDA": 1}
+    assert got["skip_reasons"] == {"needs CUDA": 1} and got["collection_errors"] == ["tests/c.py"]
     assert got["summary"] == "1 failed, 1 passed, 1 skipped, 1 error in 2.50s"

@@ -46,6 +46,7 @@ FILES = {
     "results": "gpu-check.json",
     "log": "gpu-check.log",
     "trace": "gpu-check-trace.json",
+    "trace_gz": "gpu-check-trace.json.gz",
     "pytest_log": "pytest-gpu.log",
     "crossover_rows": "crossover.jsonl",
     "calibration": "calibration.json",
@@ -158,8 +159,9 @@ class GpuCheck:
             save,
             trace,
         )
-        if trace.exists():
-            self.report.add_file("trace", trace)
+        written = (res.get("trace") or {}).get("file")
+        if written:
+            self.report.add_file("trace", self.out / written)
         return res
 
     def _crossover(self, deadline: Deadline, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:

@@ -32,9 +32,11 @@ and its numbers say nothing about a GPU.
 
 from __future__ import annotations
 
+import gzip
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +57,9 @@ from tiered_kv.tools.gpu_check_syncs import (
 )
 from tiered_kv.transfer.factory import make_copy_engine
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
+
+#: A trace larger than this is gzipped (Perfetto opens .json.gz as it is).
+TRACE_GZIP_BYTES = 12 << 20
 
 
 class Round:
@@ -378,7 +383,7 @@ class OverlapBench:
         }
 
     # ------------------------------------------------------------ the traced rounds
-    def traced(self, kinds: list[str], counter: SyncCounter, trace_path: Any) -> dict[str, Any]:
+    def traced(self, kinds: list[str], counter: SyncCounter, trace_path: Path) -> dict[str, Any]:
         """One round of each scenario and a deliberate sync under the profiler; counts from the exported trace."""
         names = [f"duplex/{k}" for k in kinds] + ["layerwise/serial", "layerwise/pipelined"]
         repeats, self.repeats = self.repeats, 1  # one timed round each: the trace is for reading, not timing
@@ -396,13 +401,18 @@ class OverlapBench:
             self.repeats = repeats
         prof.export_chrome_trace(str(trace_path))
         events = load_trace(trace_path)
+        if trace_path.stat().st_size > TRACE_GZIP_BYTES:  # keep it small enough to carry back from a GPU machine
+            packed = trace_path.with_name(trace_path.name + ".gz")
+            packed.write_bytes(gzip.compress(trace_path.read_bytes()))
+            trace_path.unlink()
+            trace_path = packed
         out = {n: trace_syncs(events, region_name(n)) for n in names}
         control = trace_syncs(events, region_name("control/deliberate_sync"))
         control["python"] = control_python
         control["can_see"] = (control["total"] > 0 and control_python > 0) if self.cuda else None
         if not self.cuda:
             control["why"] = "no CUDA: nothing here can synchronise with a device, so the control has nothing to show"
-        return {"regions": out, "control": control}
+        return {"file": trace_path.name, "regions": out, "control": control}
 
 
 def run_overlap(
@@ -418,7 +428,7 @@ def run_overlap(
     deadline: Deadline,
     emit: Callable[[str], None],
     save: Callable[[dict[str, Any]], None],
-    trace_path: Any,
+    trace_path: Path,
 ) -> dict[str, Any]:
     """Both scenarios for every engine here, then the traced rounds; ``save`` after each step."""
     result: dict[str, Any] = {

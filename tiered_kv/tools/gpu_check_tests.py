@@ -29,6 +29,7 @@ OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 # Test ids may hold spaces (parametrised messages): the outcome is the last such word before the percentage.
 LINE = re.compile(r"^(?P<test>\S+::.*?)\s+(?P<outcome>" + "|".join(OUTCOMES) + r")(?P<rest>(?:\s.*)?)$")
 SKIP = re.compile(r"^SKIPPED \[(?P<n>\d+)\] \S+: (?P<why>.*)$")
+COLLECT = re.compile(r"^_+ ERROR collecting (?P<module>\S+) _+$")
 SUMMARY = re.compile(r"^=+ (?P<summary>.*\bin [\d.]+s.*) =+$")
 
 
@@ -39,10 +40,15 @@ def tests_dir() -> Path | None:
 
 
 def parse(log: str) -> dict[str, Any]:
-    """Outcome counts, the tests that did not pass or skip, and pytest's summary line (if it got that far)."""
+    """Outcome counts, the tests that did not pass or skip, modules that failed to import, and the summary line.
+
+    A module that fails to import may hold gpu tests that never ran, so it
+    counts against passing like a failed test.
+    """
     counts: Counter[str] = Counter()
     problems: list[dict[str, str]] = []
     skipped: Counter[str] = Counter()
+    collection: list[str] = []
     summary = None
     for line in log.splitlines():
         m = LINE.match(line)
@@ -56,6 +62,10 @@ def parse(log: str) -> dict[str, Any]:
         if k:
             skipped[k["why"]] += int(k["n"])
             continue
+        c = COLLECT.match(line)
+        if c:
+            collection.append(c["module"])
+            continue
         s = SUMMARY.match(line)
         if s:
             summary = s["summary"]
@@ -63,6 +73,7 @@ def parse(log: str) -> dict[str, Any]:
         "counts": dict(counts),
         "problems": problems,
         "skip_reasons": dict(skipped),
+        "collection_errors": collection,
         "summary": summary,
     }
 
@@ -142,5 +153,7 @@ def run_gpu_tests(
         }
     )
     # pytest: 0 all passed, 1 some failed, 5 nothing collected (every test deselected).
-    result["passed"] = stopped is None and proc.returncode in (0, 5) and not result["problems"]
+    result["passed"] = (
+        stopped is None and proc.returncode in (0, 5) and not result["problems"] and not result["collection_errors"]
+    )
     return result
