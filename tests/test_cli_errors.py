@@ -260,6 +260,11 @@ ROWS = {
     "bench-zero-repeats": Row(["bench-transfer", "--repeats", "0"], r"argument --repeats: expected an integer >= 1"),
     "bench-json-is-dir": Row(["bench-transfer", "--json", "d"], r"--json d: is a directory", {"d": "/"}),
     "bench-without-torch": Row(["bench-transfer"], r"needs torch, .*tiered-kv\[torch\]", missing=("torch",)),
+    # gpu-check
+    "gpu-check-zero-budget": Row(["gpu-check", "--budget-s", "0"], r"argument --budget-s: expected a number of sec"),
+    "gpu-check-bad-part": Row(["gpu-check", "--parts", "tests,speed"], r"argument --parts: unknown 'speed'"),
+    "gpu-check-out-is-file": Row(["gpu-check", "--cpu", "--out", "f"], r"--out f: is a file", {"f": "x"}),
+    "gpu-check-without-torch": Row(["gpu-check", "--cpu"], r"needs torch, .*tiered-kv\[torch\]", missing=("torch",)),
 }
 
 
@@ -275,6 +280,7 @@ if not cuda_available():  # with a GPU, --engines cuda is fine and runs
     ROWS["bench-cuda-without-gpu"] = Row(
         ["bench-transfer", "--engines", "cuda"], r"--engines cuda: needs a CUDA device"
     )
+    ROWS["gpu-check-without-gpu"] = Row(["gpu-check"], r"needs a CUDA device, but .*; run `tiered-kv gpu-check --cpu`")
 
 
 def test_the_table_covers_every_command():
@@ -284,6 +290,7 @@ def test_the_table_covers_every_command():
         "crossover",
         "fidelity",
         "bench-transfer",
+        "gpu-check",
         "demo",
     }
     assert {m.NAME for m in COMMANDS} == {r.argv[0] for r in ROWS.values()}

@@ -7,11 +7,18 @@ the real copy engine, it measures:
 * swap time with compute running beside it (a decode loop on another request);
 * recompute time (a prefill of the whole context).
 
-It prints a table with the winner per length and the crossover point, plots it,
-and writes a calibration file: the manager's cost model (bandwidth per
-direction, per-copy overhead, prefill curve) fitted to these measurements, and
+Each point runs once untimed, then ``repeats`` times; a row carries the
+median and the spread (min/median/max) and is handed to a row file as soon as
+it is measured.  It prints a table with the winner per length and the
+crossover point, plots it, and writes a calibration file: the manager's cost
+model (bandwidth per direction, per-copy overhead, prefill curve) fitted to
+these measurements, and
 the engine's step-time model fitted to real engine steps, for
 ``tiered-kv simulate --calibration`` and the cost-aware policy.
+
+This measures the built-in small model end to end.  For a user's model
+profile, see :mod:`tiered_kv.tools.crossover_profile`; at a real model's size
+on a GPU, :mod:`tiered_kv.tools.crossover_real`.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from tiered_kv.manager.cost_model import CostModel, nnls
 from tiered_kv.sim.calibration import STEP_TERMS, Calibration, model_config_dict
 from tiered_kv.sim.progress import PhaseHook
 from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.tools.crossover_timing import RowFile, relative_spread, spread
 from tiered_kv.transfer.factory import make_copy_engine
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
 
@@ -49,8 +57,15 @@ def measure_lengths(
     device: str,
     emit: Callable[[str], None],
     progress: PhaseHook | None = None,
+    rows: RowFile | None = None,
 ) -> list[dict[str, Any]]:
-    """Swap-out, swap-in, swap beside compute, and recompute, per context length."""
+    """Swap-out, swap-in, swap beside compute, and recompute, per context length.
+
+    Each point runs once untimed (first-call set-up: allocator, kernel choice,
+    page faults), then ``repeats`` times; a row holds the median of each
+    (``swap_out_s``...) and its spread (``swap_out``: min/median/max), and
+    goes to ``rows`` as soon as it is measured.
+    """
     spec = config.kv_spec(block_size)
     max_blocks = -(-max(lengths) // block_size)
     scratch_blocks = 256 // block_size
@@ -105,10 +120,14 @@ def measure_lengths(
         _sync(device)
         return time.perf_counter() - t0
 
-    rows = []
+    def point(fn: Callable[[], float]) -> dict[str, Any]:
+        fn()  # untimed: the first call pays for set-up, not for the work
+        return spread([fn() for _ in range(repeats)])
+
+    out_rows = rows if rows is not None else RowFile(None)
     emit(
         f"{'tokens':>7} {'blocks':>6} {'MiB':>7} {'swap-out ms':>11} {'swap-in ms':>10} {'swap+compute ms':>15} "
-        f"{'recompute ms':>12}  winner"
+        f"{'recompute ms':>12} {'spread':>6}  winner"
     )
     phase = "measuring swap and recompute"
     if progress is not None:
@@ -118,30 +137,35 @@ def measure_lengths(
         table = list(range(1, nb + 1))
         other = list(range(max_blocks + 1, max_blocks + 1 + nb))
         tokens = [rng.randrange(config.vocab_size) for _ in range(length)]
-        recompute = min(prefill(tokens, table) for _ in range(repeats))
-        out = min(transfer("GPU", "CPU", table, table) for _ in range(repeats))
-        back = min(transfer("CPU", "GPU", table, other) for _ in range(repeats))
-        with_compute = min(beside_compute(table, other) for _ in range(repeats))
+        recompute = point(lambda tokens=tokens, table=table: prefill(tokens, table))
+        out = point(lambda table=table: transfer("GPU", "CPU", table, table))
+        back = point(lambda table=table, other=other: transfer("CPU", "GPU", table, other))
+        with_compute = point(lambda table=table, other=other: beside_compute(table, other))
         row = {
             "tokens": length,
             "blocks": nb,
             "bytes": nb * spec.bytes_per_block,
-            "swap_out_s": out,
-            "swap_in_s": back,
-            "swap_with_compute_s": with_compute,
-            "recompute_s": recompute,
-            "winner": "swap" if out + back < recompute else "recompute",
+            "swap_out_s": out["median"],
+            "swap_in_s": back["median"],
+            "swap_with_compute_s": with_compute["median"],
+            "recompute_s": recompute["median"],
+            "winner": "swap" if out["median"] + back["median"] < recompute["median"] else "recompute",
+            "swap_out": out,
+            "swap_in": back,
+            "swap_with_compute": with_compute,
+            "recompute": recompute,
         }
-        rows.append(row)
+        out_rows.add(row)
+        worst = max(relative_spread(s) for s in (out, back, with_compute, recompute))
         emit(
-            f"{length:7d} {nb:6d} {row['bytes'] / 2**20:7.2f} {out * 1e3:11.3f} {back * 1e3:10.3f} "
-            f"{with_compute * 1e3:15.3f} {recompute * 1e3:12.3f}  {row['winner']}"
+            f"{length:7d} {nb:6d} {row['bytes'] / 2**20:7.2f} {out['median'] * 1e3:11.3f} {back['median'] * 1e3:10.3f} "
+            f"{with_compute['median'] * 1e3:15.3f} {recompute['median'] * 1e3:12.3f} {worst:6.0%}  {row['winner']}"
         )
         if progress is not None:
-            progress(phase, len(rows), len(lengths))
+            progress(phase, len(out_rows.rows), len(lengths))
     if hasattr(copy, "close"):
         copy.close()
-    return rows
+    return out_rows.rows
 
 
 def fit_step_model(
@@ -206,6 +230,16 @@ def fit_step_model(
     return tuple(coef), err  # type: ignore[return-value]
 
 
+def default_lengths(config: ModelConfig, max_tokens: int | None = None) -> list[int]:
+    """256 tokens and doublings up to ``max_tokens`` or what fits.
+
+    "What fits": this model's prefill materialises its attention scores, heads
+    x L^2 floats; they are kept under 512 MiB.
+    """
+    cap = max_tokens or int((512 * 2**20 / (4 * config.num_heads)) ** 0.5)
+    return [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384) if n <= cap]
+
+
 def crossover(
     config: ModelConfig,
     block_size: int = 16,
@@ -217,19 +251,22 @@ def crossover(
     emit: Callable[[str], None] = print,
     step_scale: float = 1.0,
     progress: PhaseHook | None = None,
+    rows: RowFile | None = None,
 ) -> tuple[dict[str, Any], Calibration]:
-    """Measure, fit and summarise; ``progress`` hears about each length and each step-fit engine run."""
+    """Measure, fit and summarise; ``progress`` hears about each length and each step-fit engine run.
+
+    Each point is the median of ``repeats`` runs (after one untimed run); its
+    spread is in the row.  ``rows`` receives every row as it is measured.
+    """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if lengths is None:
-        # "Up to what fits": a prefill's attention scores take heads x L^2 floats; keep them under 512 MiB.
-        cap = max_tokens or int((512 * 2**20 / (4 * config.num_heads)) ** 0.5)
-        lengths = [n for n in (256, 512, 1024, 2048, 4096, 8192, 16384) if n <= cap]
+        lengths = default_lengths(config, max_tokens)
     emit(
         f"device: {device}; model: {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_heads} heads / {config.num_kv_heads} KV heads x {config.head_dim}, {config.dtype}; "
         f"block {block_size} tokens, {layout}"
     )
-    rows = measure_lengths(config, block_size, layout, lengths, repeats, device, emit, progress)
+    rows = measure_lengths(config, block_size, layout, lengths, repeats, device, emit, progress, rows)
     spec = config.kv_spec(block_size)
     # The link is fitted to the copies that ran beside compute: during serving every copy
     # does, and on a shared machine the contention is part of what a copy costs.
@@ -279,6 +316,7 @@ def crossover(
         "rows": rows,
         "crossover_tokens": cross,
         "summary": summary,
+        "repeats": repeats,
         "step_fit_error": fit_err,
         "calibration": cal.to_dict(),
     }
@@ -296,13 +334,15 @@ def plot(doc: dict[str, Any], outdir: Path) -> Path:
     x = [r["tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(x, [1e3 * (r["swap_out_s"] + r["swap_in_s"]) for r in rows], marker="o", label="swap out + in")
-    ax.plot(x, [1e3 * r["swap_with_compute_s"] for r in rows], marker="s", label="swap beside compute")
+    if all("swap_with_compute_s" in r for r in rows):
+        ax.plot(x, [1e3 * r["swap_with_compute_s"] for r in rows], marker="s", label="swap beside compute")
     ax.plot(x, [1e3 * r["recompute_s"] for r in rows], marker="^", label="recompute (prefill)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("time (ms)")
-    ax.set_title(f"swap vs recompute on {doc['device']}: {doc['summary']}", fontsize=9)
+    summary = doc.get("summary") or doc.get("answer")
+    ax.set_title(f"swap vs recompute on {doc['device']}: {summary}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     path = outdir / "crossover.png"

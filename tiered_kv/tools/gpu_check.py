@@ -1,0 +1,276 @@
+"""``tiered-kv gpu-check``: one command that proves the CUDA half, sized to a few minutes of a GPU.
+
+Parts, in order, each with its own share of the time budget and each saved to
+``OUT/gpu-check.json`` as soon as it has anything (:mod:`gpu_check_report`):
+
+1. ``device``: what the numbers were measured on (first, because it costs a
+   second and a partial run must still say where it ran);
+2. ``tests``: the test suite's tests marked ``gpu`` (the engine's exactness
+   matrix on CUDA, the copy engines' ordering and asynchrony), in a child
+   process; log in ``OUT/pytest-gpu.log``;
+3. ``bandwidth``: every copy engine, layout, block size, id pattern and
+   direction, against one contiguous copy and a per-block copy loop;
+4. ``overlap``: compute beside swaps both ways, layer-wise swap-in, host
+   synchronisations counted three ways; ``OUT/gpu-check-trace.json`` is the
+   Perfetto trace of those rounds (open it at https://ui.perfetto.dev);
+5. ``crossover``: swap against recompute at real size (Llama-3-8B's shape,
+   random bf16 weights); rows in ``OUT/crossover.jsonl`` as measured, and
+   ``OUT/calibration.json`` for ``tiered-kv simulate --calibration``.
+
+The ``--cpu`` form runs the same code with tiny shapes and the CPU copy
+engine in under a minute, so CI exercises every path; its numbers describe a
+CPU, never a GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiered_kv.tools.crossover_real import real_crossover
+from tiered_kv.tools.crossover_timing import RowFile
+from tiered_kv.tools.gpu_check_bandwidth import run_bandwidth
+from tiered_kv.tools.gpu_check_device import device_facts, hardware_line
+from tiered_kv.tools.gpu_check_forms import PARTS, Form
+from tiered_kv.tools.gpu_check_overlap import run_overlap
+from tiered_kv.tools.gpu_check_report import Deadline, Report
+from tiered_kv.tools.gpu_check_tests import run_gpu_tests
+
+FILES = {
+    "results": "gpu-check.json",
+    "log": "gpu-check.log",
+    "trace": "gpu-check-trace.json",
+    "trace_gz": "gpu-check-trace.json.gz",
+    "pytest_log": "pytest-gpu.log",
+    "crossover_rows": "crossover.jsonl",
+    "calibration": "calibration.json",
+}
+
+
+class Log:
+    """Prints a line and appends it to ``gpu-check.log`` (flushed, so a killed run keeps its log)."""
+
+    def __init__(self, path: Path, echo: Callable[[str], None] = print) -> None:
+        self.fh = path.open("w", encoding="utf-8")
+        self.echo = echo
+
+    def __call__(self, text: str) -> None:
+        self.echo(text)
+        self.fh.write(text + "\n")
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class GpuCheck:
+    """Runs the parts of one form into one output directory."""
+
+    def __init__(
+        self, out: Path, form: Form, parts: Sequence[str] = PARTS, argv: Sequence[str] = (), echo: Any = print
+    ) -> None:
+        self.out = out
+        self.form = form
+        self.parts = [p for p in PARTS if p in parts]
+        out.mkdir(parents=True, exist_ok=True)
+        for name in FILES.values():  # an earlier run's files would pass for this run's
+            (out / name).unlink(missing_ok=True)
+        if form.torch_threads is not None:
+            torch.set_num_threads(form.torch_threads)
+        self.log = Log(out / FILES["log"], echo)
+        self.report = Report(
+            out / FILES["results"],
+            {
+                "form": form.name,
+                "command": " ".join(argv),
+                "budget_s": form.total_s,
+                "hard_stop_s": form.hard_stop_s,
+                "budgets_s": {p: form.budgets[p] for p in self.parts},
+                "torch_threads": torch.get_num_threads(),
+            },
+            self.parts,
+        )
+        self.report.add_file("log", out / FILES["log"])
+        self.t0 = time.monotonic()
+
+    # ------------------------------------------------------------------ parts
+    def _device(self, deadline: Deadline, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        facts = device_facts()
+        line = hardware_line(facts)
+        self.report.set("hardware", line)
+        self.log(f"device: {line}")
+        return facts
+
+    def _tests(self, deadline: Deadline, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        path = self.out / FILES["pytest_log"]
+        self.log(f"tests: running the tests marked '{self.form.pytest_marker}' (log: {path})")
+        res = run_gpu_tests(path, deadline, self.form.pytest_marker, children=self.report.children)
+        if res.get("ran"):
+            self.report.add_file("pytest_log", path)
+            self.log(
+                f"tests: {res['summary'] or 'no summary (stopped)'}; "
+                + ("all passed" if res["passed"] else f"NOT all passed: {res['problems'][:10]}")
+                + (f"; skipped: {res['skip_reasons']}" if res["skip_reasons"] else "")
+            )
+        else:
+            self.log(f"tests: not run: {res['why']}")
+        return res
+
+    def _bandwidth(self, deadline: Deadline, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        f = self.form
+        res = run_bandwidth(
+            f.kv, f.block_tokens, f.layouts, f.mib_per_case, f.repeats, f.device, deadline, self.log, save
+        )
+        for g in res.get("goals", []):
+            if g["applies"]:
+                self.log(
+                    f"goal {g['goal']} ({g['engine']}): worst {g['worst']:.2f} at {g['worst_case']}, need "
+                    f"{g['threshold']}: {'met' if g['met'] else 'NOT met'}"
+                )
+        return res
+
+    def _overlap(self, deadline: Deadline, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        f = self.form
+        trace = self.out / FILES["trace"]
+        res = run_overlap(
+            f.compute_shape,
+            f.kv,
+            f.compute_tokens,
+            f.overlap_mib,
+            f.layerwise_context,
+            f.layerwise_chunk,
+            f.block_size,
+            f.device,
+            f.repeats,
+            deadline,
+            self.log,
+            save,
+            trace,
+        )
+        written = (res.get("trace") or {}).get("file")
+        if written:
+            self.report.add_file("trace", self.out / written)
+        return res
+
+    def _crossover(self, deadline: Deadline, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        f = self.form
+        rows_path = self.out / FILES["crossover_rows"]
+        device_name = self.report.doc.get("hardware") or f.device
+        with RowFile(rows_path) as rows:
+            self.report.add_file("crossover_rows", rows_path)
+            doc, cal = real_crossover(
+                f.model,
+                f.block_size,
+                f.lengths,
+                f.repeats,
+                f.device,
+                f.decode_points,
+                rows,
+                deadline.expired,
+                self.log,
+                save,
+                device_name,
+            )
+        if cal is not None:
+            path = self.out / FILES["calibration"]
+            cal.save(path, {"source": "tiered-kv gpu-check", "hardware": device_name})
+            self.report.add_file("calibration", path)
+            self.log(f"crossover: wrote {path} (for tiered-kv simulate --calibration)")
+        return doc
+
+    # ------------------------------------------------------------------- run
+    def run_part(self, name: str) -> None:
+        budget = self.form.budgets[name]
+        deadline = Deadline(budget)
+        self.report.update(name, status="running", budget_s=budget)
+        self.log(f"== {name} (budget {budget:.0f} s)")
+
+        def save(result: dict[str, Any]) -> None:
+            self.report.update(name, result=result, elapsed_s=deadline.elapsed)
+
+        fn = getattr(self, f"_{name}")
+        try:
+            result = fn(deadline, save)
+        except Exception as exc:
+            tb = traceback.format_exc().strip().splitlines()[-12:]
+            self.report.update(
+                name, status="failed", error=f"{type(exc).__name__}: {exc}", traceback=tb, elapsed_s=deadline.elapsed
+            )
+            self.log(f"{name}: FAILED: {type(exc).__name__}: {' '.join(str(exc).split())}")
+            return
+        finally:
+            _free_memory()
+        stopped = result.get("stopped")
+        status = "partial" if stopped else "done"
+        if name == "tests" and not result.get("ran"):
+            status = "skipped"
+        self.report.update(name, status=status, result=result, elapsed_s=deadline.elapsed, stopped=stopped)
+        self.log(f"{name}: {status} in {deadline.elapsed:.1f} s" + (f" ({stopped})" if stopped else ""))
+
+    def run(self) -> dict[str, Any]:
+        for name in self.parts:
+            self.run_part(name)
+        self.report.set("elapsed_s", time.monotonic() - self.t0)
+        self.report.set("verdict", verdict(self.report.doc))
+        self.report.finish()
+        for line in self.report.doc["verdict"]["lines"]:
+            self.log(line)
+        self.log(f"wrote {self.out / FILES['results']} in {time.monotonic() - self.t0:.0f} s")
+        self.log.close()
+        return self.report.doc
+
+
+def verdict(doc: dict[str, Any]) -> dict[str, Any]:
+    """What the run showed, in a few lines and flags (the numbers stay in the parts)."""
+    parts = doc["parts"]
+    lines = [f"gpu-check ({doc['form']} form) on {doc.get('hardware', 'unknown hardware')}"]
+    flags: dict[str, Any] = {}
+    for name, p in parts.items():
+        lines.append(f"  {name}: {p['status']}" + (f" ({p.get('stopped')})" if p.get("stopped") else ""))
+    t = parts.get("tests", {}).get("result") or {}
+    if t.get("ran"):
+        flags["tests_passed"] = t["passed"]
+        lines.append(f"  tests: {t.get('counts')}; problems: {len(t.get('problems', []))}")
+    b = parts.get("bandwidth", {}).get("result") or {}
+    goals = [g for g in b.get("goals", []) if g["applies"]]
+    if goals:
+        flags["bandwidth_goals_met"] = all(g["met"] for g in goals)
+        for g in goals:
+            met = "met" if g["met"] else "NOT met"
+            lines.append(f"  goal {g['goal']} ({g['engine']}): {met} (worst {g['worst']:.2f})")
+    o = parts.get("overlap", {}).get("result") or {}
+    for d in o.get("duplex", []):
+        if "slowdown" in d:
+            lines.append(
+                f"  overlap ({d['engine']}): compute slowdown {d['slowdown']:.2f}x, {d['hidden']:.0%} of copy time "
+                f"hidden, host syncs in issuing regions: {d['syncs_python']} python / {d['syncs_debug_mode']} debug"
+            )
+    tr = o.get("trace")
+    if tr:
+        flags["trace_syncs_in_regions"] = sum(r["total"] for r in tr["regions"].values())
+        lines.append(
+            f"  trace: {flags['trace_syncs_in_regions']} blocking CUDA calls in the issuing regions; control "
+            f"region {tr['control']['total']}"
+        )
+    c = parts.get("crossover", {}).get("result") or {}
+    if c.get("winners"):
+        lines.append(f"  crossover: {c['winners']}; first change at {c.get('crossover_tokens')}")
+    return {"lines": lines, **flags}
+
+
+def exit_status(doc: dict[str, Any]) -> int:
+    """0 when every part ran to the end and no test failed; 1 otherwise (the results are written either way)."""
+    ok = all(p["status"] in ("done", "skipped") for p in doc["parts"].values())
+    return 0 if ok and doc.get("verdict", {}).get("tests_passed", True) else 1
