@@ -105,7 +105,8 @@ def test_cpu_form_overlap_counts_no_syncs_and_writes_a_trace(cpu_run):
     assert d["syncs_python"] == 0 and d["syncs_debug_mode"] == 0
     lw = o["layerwise"]
     assert lw["serial_s"] > 0 and lw["pipelined_reference_s"] > 0
-    assert lw["engine_layerwise"]["measured"] is False
+    assert lw["engine_layerwise_s"] > 0 and 0 <= lw["hidden_engine_layerwise"] <= 1 and lw["layerwise_gain"] > 0
+    assert lw["variants"]["engine_layerwise"]["syncs_python"] == 0
     assert o["trace"]["file"] == doc["files"]["trace"] == "gpu-check-trace.json"  # small here: not gzipped
     events = json.loads((out / "gpu-check-trace.json").read_text())["traceEvents"]
     for name, counted in o["trace"]["regions"].items():

@@ -284,3 +284,30 @@ def test_layer_wise_swap_in_is_byte_exact_with_an_event_per_layer(monkeypatch, l
     compute = gpu.torch_current
     eng.make_compute_wait(h, layer=0)
     assert compute.waited_on[-1] is events[0]  # only layer 0: the device overlaps the rest
+
+
+@pytest.mark.parametrize("num_layers", [0, SPEC.num_layers])
+@pytest.mark.parametrize("kind", ["cuda", "cupy"])
+def test_a_plan_failing_after_some_copies_were_issued_fails_only_once_they_have_ended(monkeypatch, kind, num_layers):
+    """Copies already on the stream still write the destination: its blocks must not be reused before they end."""
+    t = tiers("block_contiguous")
+    gpu, eng = fake_engine(monkeypatch, kind, t)
+    issued = []
+
+    def second_run_fails(plan, run):
+        issued.append(run)
+        if len(issued) == 2:
+            raise RuntimeError("injected fault on the second run")
+
+    eng.copy_hook = second_run_fails
+    gpu.hold()  # the run issued first is still being copied
+    h = eng.submit(swap_in(1, (2, 5), (3, 9), num_layers=num_layers))  # two runs: (2->3) and (5->9)
+    assert len(issued) == 2
+    assert not h.done() and h.status is TransferStatus.RUNNING and h.error is None
+    if num_layers:
+        assert not h.layer_done(1)
+    gpu.release()
+    assert h.done() and h.status is TransferStatus.FAILED and not h.wait()
+    assert "injected fault on the second run" in str(h.error)
+    if num_layers:
+        assert not h.wait_layer(num_layers - 1)

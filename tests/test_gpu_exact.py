@@ -54,6 +54,18 @@ def test_swap_out_and_back_into_other_blocks_is_bit_exact_on_cuda(kind, layout):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_layerwise_swap_in_is_bit_exact_on_cuda(kind, layout):
+    """Layer i of a resumed request waits on the device for layer i of its load only."""
+    ps = prompts(1)
+    e = run(kind, ps, num_gpu_blocks=16, layout=layout, mode="swap", layerwise=True)
+    c = e.metrics().counters
+    assert c.preemptions_swap > 0 and c.swap_in_blocks > 0
+    check(e, ps, layout, exact_logits=True)
+    e.scheduler.tm.check_invariants()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_recompute_on_cuda(kind, layout):
     ps = prompts(2)
     e = run(kind, ps, num_gpu_blocks=16, layout=layout, mode="recompute")
@@ -105,16 +117,22 @@ def test_failed_cuda_copies_keep_requests_recoverable_and_exact():
     from tiered_kv.transfer.cuda_engine import TorchCudaCopyEngine
 
     failed = {"D2H": 0, "H2D": 0}
+    seen: set[int] = set()
 
-    class Flaky(TorchCudaCopyEngine):
-        def copy_run(self, plan, run, non_blocking=False):
-            if failed[plan.direction] < 2:  # the first run of each failing plan: nothing of it was issued
+    def fail_first_run(plan, run):  # the first run of each failing plan: nothing of it was issued
+        if plan.plan_id not in seen:
+            seen.add(plan.plan_id)
+            if failed[plan.direction] < 2:
                 failed[plan.direction] += 1
                 raise RuntimeError(f"injected {plan.direction} fault")
-            super().copy_run(plan, run, non_blocking)
+
+    def flaky(tiers):
+        eng = TorchCudaCopyEngine(tiers)
+        eng.copy_hook = fail_first_run  # called on every copy path (raw CUDA runtime or torch)
+        return eng
 
     ps = prompts(6)
-    e = Engine(record_logits=True, device="cuda", copy_engine=Flaky, num_gpu_blocks=16, mode="swap")
+    e = Engine(record_logits=True, device="cuda", copy_engine=flaky, num_gpu_blocks=16, mode="swap")
     for rid, p in ps.items():
         e.add_request(rid, p, MAX_TOKENS)
     e.run()

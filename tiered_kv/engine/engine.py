@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -184,7 +184,7 @@ class Engine:
                 )
             self._publish_metrics()
             return False
-        sampled: dict[Hashable, int] = {}
+        sampled: dict[Hashable, Any] = {}  # ints, or device scalars until the sync
         kv = self.tiers["GPU"]
         t0 = time.perf_counter()
         attn = 0.0
@@ -205,13 +205,15 @@ class Engine:
                 continue  # its load failed: update() discards its step
             if c + n == req.num_tokens:
                 forced = self.forced.get(rid)
-                sampled[rid] = forced[req.num_output_tokens] if forced else int(logits[-1].argmax())
+                # Argmax stays on the device until the step's one sync below.
+                sampled[rid] = forced[req.num_output_tokens] if forced else logits[-1].argmax()
                 if self.record_logits:
                     self.logits.setdefault(rid, []).append(logits[-1].clone())
             attn += (c + n) * (c + n) - c * c
             ctx += c + n
         if self.device.startswith("cuda"):
             torch.cuda.current_stream().synchronize()  # engine step boundary (host needs the tokens)
+        sampled = {rid: int(t) for rid, t in sampled.items()}
         compute = time.perf_counter() - t0
         self.stats.compute_s += compute
         self.stats.steps += 1

@@ -52,6 +52,19 @@ class ModelConfig:
         return 2 * self.vocab_size * h + L * (attn + 3 * h * i + 2 * h) + h
 
 
+def _on_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A list of ints as a device tensor, without a host wait on CUDA.
+
+    ``torch.tensor(list, device="cuda")`` copies from pageable memory and makes
+    the host wait for the stream; staging through pinned memory lets the copy
+    queue behind the compute already issued (a layer-wise load keeps streaming).
+    """
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -166,10 +179,10 @@ class TinyLlama(nn.Module):
         n = len(token_ids)
         bs = kv.spec.block_size
         positions = torch.arange(start, start + n, device=dev)
-        table = torch.tensor(block_table, device=dev, dtype=torch.long)
+        table = _on_device(block_table, dev)
         slot_blocks = table[positions // bs]
         slot_offsets = positions % bs
-        x = self.embed(torch.tensor(token_ids, device=dev))
+        x = self.embed(_on_device(token_ids, dev))
         for i, layer in enumerate(self.layers):
             if before_layer is not None and not before_layer(i):
                 return None

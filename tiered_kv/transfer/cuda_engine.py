@@ -29,7 +29,7 @@ from tiered_kv.errors import PlanError, TransferError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.transfer.availability import require
 from tiered_kv.transfer.cudart import load_cuda_runtime
-from tiered_kv.transfer.event_handle import EventTransferHandle, TorchEvents, issued_event
+from tiered_kv.transfer.event_handle import EventTransferHandle, TorchEvents, fail_after_issued, issued_event
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
 from tiered_kv.transfer.plan_events import DEFAULT_MAX_TRACKED_PLANS, PlanEvents
 from tiered_kv.transfer.storage_engine import StorageEngineBase
@@ -114,6 +114,8 @@ class TorchCudaCopyEngine(StorageEngineBase):
         handle = EventTransferHandle(plan, num_bytes=prep.num_bytes)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        layer_events: list[torch.cuda.Event] = []
+        issued = False  # whether copies may be on the stream
         try:
             if plan.src_medium == "GPU":
                 # Never read KV that compute is still writing.
@@ -125,8 +127,8 @@ class TorchCudaCopyEngine(StorageEngineBase):
                 if ev is not None:
                     stream.wait_event(ev)
             start.record(stream)
+            issued = True
             runtime, raw = self.runtime, stream.cuda_stream
-            layer_events = []
             with torch.cuda.stream(stream):
                 for layer in range(plan.num_layers) if plan.num_layers else (None,):
                     for ci, chunk in enumerate(prep.chunks):
@@ -146,6 +148,8 @@ class TorchCudaCopyEngine(StorageEngineBase):
                         layer_events.append(ev)
             end.record(stream)
         except Exception as exc:
+            if issued and fail_after_issued(handle, TORCH_EVENTS, stream, start, end, layer_events, exc):
+                return handle
             handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
             return handle
         handle.attach(TORCH_EVENTS, start, end, tuple(layer_events))

@@ -33,7 +33,7 @@ from tiered_kv.storage.spec import segment_offsets
 from tiered_kv.transfer.availability import require
 from tiered_kv.transfer.coalesce import CopyRun
 from tiered_kv.transfer.cudart import CudaRuntime
-from tiered_kv.transfer.event_handle import CupyEvents, EventTransferHandle, issued_event
+from tiered_kv.transfer.event_handle import CupyEvents, EventTransferHandle, fail_after_issued, issued_event
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
 from tiered_kv.transfer.plan_events import DEFAULT_MAX_TRACKED_PLANS, PlanEvents
 from tiered_kv.transfer.storage_engine import PreparedPlan, StorageEngineBase
@@ -176,6 +176,8 @@ class CupyCopyEngine(StorageEngineBase):
         stream = self.streams[prep.lane]
         handle = EventTransferHandle(plan, num_bytes=prep.num_bytes)
         cp = self.cp
+        start: Any = None
+        layer_events: list[Any] = []
         try:
             if plan.src_medium == "GPU":
                 # Never read KV that compute is still writing.
@@ -190,7 +192,6 @@ class CupyCopyEngine(StorageEngineBase):
             start = cp.cuda.Event()
             start.record(stream)
             k = self.kernel_min_runs
-            layer_events: list[Any] = []
             if plan.num_layers:  # layer by layer, an event after each
                 for layer in range(plan.num_layers):
                     for ci, chunk in enumerate(prep.chunks):
@@ -207,6 +208,10 @@ class CupyCopyEngine(StorageEngineBase):
             end = cp.cuda.Event()
             end.record(stream)
         except Exception as exc:
+            if start is not None and fail_after_issued(
+                handle, self._api, stream, start, cp.cuda.Event(), layer_events, exc
+            ):
+                return handle
             handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
             return handle
         handle.attach(self._api, start, end, tuple(layer_events))

@@ -101,18 +101,32 @@ class EventTransferHandle(TransferHandle):
     _start_ev: Any = field(default=None, repr=False)
     _end_ev: Any = field(default=None, repr=False)
     _layer_evs: tuple[Any, ...] = field(default=(), repr=False)
+    _fail_with: BaseException | None = field(default=None, repr=False)
 
     def attach(self, api: EventAPI, start: Any, end: Any, layer_events: tuple[Any, ...] = ()) -> None:
         """Tie the handle to the events recorded before and after the plan's copies (and after each layer's)."""
         self._api, self._start_ev, self._end_ev, self._layer_evs = api, start, end, tuple(layer_events)
         self.status = TransferStatus.RUNNING
 
+    def attach_failed(
+        self, api: EventAPI, start: Any, end: Any, layer_events: tuple[Any, ...], error: BaseException
+    ) -> None:
+        """A copy failed while the plan was issued, after others were: fail, but only once those have ended.
+
+        Until ``end`` fires, copies already on the stream still write the
+        destination; a handle that failed at once would let its blocks be
+        reused under them.
+        """
+        self.attach(api, start, end, layer_events)
+        self._fail_with = error
+
     def layer_event(self, layer: int) -> Any:
-        """The event recorded after layer ``layer``'s copies (the end event for a plan that is not layer-wise)."""
-        return self._layer_evs[layer] if self._layer_evs else self._end_ev
+        """The event recorded after layer ``layer``'s copies (the end event for a plan that is not layer-wise,
+        or for a layer never issued because the plan failed first)."""
+        return self._layer_evs[layer] if layer < len(self._layer_evs) else self._end_ev
 
     def layer_done(self, layer: int) -> bool:
-        if not self._layer_evs or self._api is None:
+        if not self._layer_evs or self._api is None or layer >= len(self._layer_evs):
             return self.done() and self.ok
         try:
             return bool(self._api.query(self._layer_evs[layer]))
@@ -148,7 +162,7 @@ class EventTransferHandle(TransferHandle):
             self._settle(exc)
             return True
         if finished:
-            self._settle(None)
+            self._settle(self._fail_with)
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -167,7 +181,7 @@ class EventTransferHandle(TransferHandle):
             except Exception as exc:
                 self._settle(exc)
                 return False
-            self._settle(None)
+            self._settle(self._fail_with)
             return self.ok
         deadline = time.monotonic() + timeout
         delay = POLL_MIN_S
@@ -207,6 +221,29 @@ class EventTransferHandle(TransferHandle):
                 return
             self.status, self.error, self.elapsed_s = status, error, elapsed
         self._event.set()
+
+
+def fail_after_issued(
+    handle: EventTransferHandle,
+    api: EventAPI,
+    stream: Any,
+    start: Any,
+    end: Any,
+    layer_events: list[Any],
+    error: BaseException,
+) -> bool:
+    """Engines: a copy raised after ``start`` was recorded; fail ``handle`` once what was issued has ended.
+
+    Records ``end`` on ``stream`` behind the copies already issued.  False if
+    even that fails (the caller then fails the handle at once: nothing more can
+    be known about the stream).
+    """
+    try:
+        end.record(stream)
+    except Exception:
+        return False
+    handle.attach_failed(api, start, end, tuple(layer_events), error)
+    return True
 
 
 def issued_event(handle: object, caller: str) -> Any:
