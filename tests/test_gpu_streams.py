@@ -103,7 +103,7 @@ def test_submitting_and_ordering_copies_never_synchronises_the_host(kind, layout
         h_out = eng.submit(swap_out(1, (2, 7, 11), (3, 9, 1)))
         h_in = eng.submit(swap_in(2, (12, 4, 8), (5, 13, 14)))
         eng.make_compute_wait(h_in)
-        total = t["GPU"].kv[5].float().sum()
+        total = t["GPU"].block(5).float().sum()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert h_out.wait(60) and h_in.wait(60), (h_out.error, h_in.error)

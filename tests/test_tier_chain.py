@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fakeredis
 import pytest
 import torch
 from tierutil import NS, block_bytes, host, key
@@ -17,6 +16,8 @@ from tiered_kv.tiers.redis_io import RedisIO
 from tiered_kv.tiers.redis_store import RedisStore
 from tiered_kv.transfer.controlled import ControlledCopyEngine
 from tiered_kv.transfer.plan import PlanKind
+
+fakeredis = pytest.importorskip("fakeredis")  # in the test extra; absent on bare GPU machines
 
 SLOT = 4096
 WB, WT, NONE = TierPolicy("write_back", writeback_reserve=2), TierPolicy("write_through"), TierPolicy("none")

@@ -32,7 +32,6 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
     if hasattr(torch, _name):
         TORCH_DTYPES[_name] = getattr(torch, _name)
 
-PIN_CHUNK_BYTES = 1 << 30  # register pinned memory 1 GiB at a time
 CUDA_HOST_REGISTER_PORTABLE_MAPPED = 1 | 2  # device-visible through unified addressing
 
 
@@ -118,26 +117,30 @@ class KVStorage:
             )
 
     def _pin(self) -> None:
-        """Page-lock the CPU tier with cudaHostRegister, one chunk at a time; fail loudly."""
+        """Page-lock the whole CPU tier with one cudaHostRegister; fail loudly.
+
+        One registration, never several side by side: a copy whose host range
+        crosses from one registration into the next is refused by CUDA
+        (``cudaErrorInvalidValue``), and a layer-first run spans the whole tier.
+        Measured on an H200: with 1 GiB registrations every copy over a 1 GiB
+        boundary failed.
+        """
         if not torch.cuda.is_available():
             raise StorageError("cannot pin the CPU tier: CUDA is not available")
         cudart = torch.cuda.cudart()
         base = self.kv.data_ptr()
-        for off in range(0, self.nbytes, PIN_CHUNK_BYTES):
-            size = min(PIN_CHUNK_BYTES, self.nbytes - off)
-            err = cudart.cudaHostRegister(base + off, size, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
-            code = int(getattr(err, "value", err))
-            if code != 0:
-                self.close()
-                raise StorageError(
-                    f"pinning the CPU tier failed at byte {off} of {self.nbytes} (cudaHostRegister error {code}); "
-                    "raise the locked-memory limit (ulimit -l) or use a smaller CPU tier"
-                )
-            self._registered.append((base + off, size))
+        err = cudart.cudaHostRegister(base, self.nbytes, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+        code = int(getattr(err, "value", err))
+        if code != 0:
+            raise StorageError(
+                f"pinning the CPU tier ({self.nbytes} bytes) failed (cudaHostRegister error {code}); "
+                "raise the locked-memory limit (ulimit -l) or use a smaller CPU tier"
+            )
+        self._registered.append((base, self.nbytes))
         self.pinned = True
 
     def close(self) -> None:
-        """Unregister pinned chunks (the tensor itself is freed with the object)."""
+        """Unregister the pinned tier (the tensor itself is freed with the object)."""
         if self._registered:
             cudart = torch.cuda.cudart()
             for ptr, _ in self._registered:
