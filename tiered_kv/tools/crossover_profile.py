@@ -243,7 +243,9 @@ def profile_crossover(
             if hardware is not None:
                 row["swap_profile_s"] = 2 * (nbytes / hardware.pcie_bytes_per_s + copies * hardware.per_copy_overhead_s)
             rows.add(row)
-            samples += [("D2H", nbytes, copies, out_s), ("H2D", nbytes, copies, in_s)]
+            # One contiguous run per swap: its chunks grow with its bytes, so fitting them as runs
+            # would split the time between bandwidth and overhead arbitrarily.
+            samples += [("D2H", nbytes, 1, out_s), ("H2D", nbytes, 1, in_s)]
             so, si = m["swap_out"], m["swap_in"]
             emit(
                 f"{length:7d} {nbytes / 2**20:9.1f} "
