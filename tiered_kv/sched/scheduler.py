@@ -223,7 +223,21 @@ class Scheduler:
             budget = self._resume(out, budget)
         if not self.swapped and not out.preempted:
             self._admit(out, budget)
+        if self.config.layerwise:
+            self._start_layerwise_stores(out)
         return out
+
+    def _start_layerwise_stores(self, out: SchedulerOutput) -> None:
+        """Prompt blocks this step completes are stored layer by layer while it computes them."""
+        for req, n in out.scheduled:
+            rid = req.request_id
+            if rid in out.loads or req.num_computed_tokens >= req.num_prompt_tokens:
+                continue  # its KV is still arriving, or it is decoding: nothing of the prompt to store
+            plan = self.tm.start_layerwise_store(rid, req.num_computed_tokens + n)
+            if plan is not None:
+                handle = self.tm.handle(plan.plan_id)
+                if handle is not None:
+                    out.saves[rid] = handle
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append((req, n))
@@ -400,6 +414,8 @@ class Scheduler:
         extra = len(sampled) - sum(1 for rid in failed if rid in sampled)
         if extra != need:
             raise InvalidArgumentError(f"sampled has {extra} entries, but {need} requests sampled a token")
+        for h in out.saves.values():  # the step has computed every layer: whatever the driver did not open
+            self.tm.open_all_layers(h)
         for h in out.loads.values():
             if self.tm.handle(h.plan.plan_id) is h:  # not settled by an abort meanwhile
                 self._apply([self.tm.process_completion(h)])
