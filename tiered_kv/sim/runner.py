@@ -48,7 +48,7 @@ def simulate(
     emit(
         f"{cfg['name']}: {first.model.name} on {where}, {len(workload)} requests, "
         f"GPU KV {first.gpu_kv_gib:g} GiB ({first.num_gpu_blocks} blocks of {first.block_size} tokens), "
-        f"KV demand of {cfg['scheduler']['max_num_seqs']} running requests = {ratio:.2f}x the GPU pool"
+        f"KV demand of {first.max_num_seqs} running requests = {ratio:.2f}x the GPU pool"
     )
     results = []
     n = len(workload)
