@@ -75,6 +75,8 @@ REGIME_SCHEMA = {
     "name": Field((str,)),
     "rate": num(REQUIRED, positive),
     "num_requests": Field((int,), None, None, (positive,), nullable=True),
+    # what the regime is meant to show; the report checks it against the measurements
+    "expect": Field((str,), None, ("below", "over"), nullable=True),
 }
 
 SCHEMA: dict[str, Any] = {

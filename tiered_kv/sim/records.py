@@ -64,10 +64,11 @@ class RequestRecord:
         }
 
 
-def jsonl(records: Iterable[RequestRecord]) -> str:
-    """The rows, one JSON object per line, in arrival order (ties by request index)."""
+def jsonl(records: Iterable[RequestRecord], extra: dict[str, Any] | None = None) -> str:
+    """The rows, one JSON object per line, in arrival order (ties by request index), each with ``extra`` fields."""
     rows = sorted(records, key=lambda r: (r.arrival, r.rid))
-    return "".join(json.dumps(r.row(), sort_keys=True) + "\n" for r in rows)
+    more = extra or {}
+    return "".join(json.dumps({**r.row(), **more}, sort_keys=True) + "\n" for r in rows)
 
 
 def write_jsonl(path: Path, records: Iterable[RequestRecord], what: str = "--requests") -> None:

@@ -258,7 +258,8 @@ class Simulator:
                 if carry:
                     end = link.layerwise_end(carry, start, dt, num_layers)
                     carry = []
-                stall_s += end - now - dt
+                if end - now > dt:
+                    stall_s += end - now - dt
                 advance(end, before=True)
                 busy.append((start, end))
                 n_steps += 1
@@ -360,6 +361,9 @@ class Simulator:
             "queue_s": percentiles(queue),
             "tpot_s": percentiles(tpot),
             "e2e_s": percentiles(e2e),
+            # the vLLM paper's normalized latency: mean over requests of end-to-end latency / output tokens
+            "norm_latency_s": sum(x / r.output_tokens for x, r in zip(e2e, recs, strict=True) if r.output_tokens)
+            / max(1, sum(1 for r in recs if r.output_tokens)),
             "preemptions_swap": c.preemptions_swap,
             "preemptions_recompute": c.preemptions_recompute,
             "gb_swapped_out": c.swap_out_bytes / GB,
