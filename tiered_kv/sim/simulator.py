@@ -110,7 +110,7 @@ class Simulator:
         workload: list[SimRequest],
         record_trace: bool = False,
         progress: Callable[[int, int, float], None] | None = None,
-        usage_points: int = 400,
+        usage_points: int = 200,
         keep_timeline: bool = False,
     ) -> None:
         self.setup = setup
@@ -170,16 +170,22 @@ class Simulator:
         for r in self.workload:
             loop.schedule(r.arrival, "arrival", r)
         total = len(self.workload)
+        size = max((r.rid for r in self.workload), default=-1) + 1
+        # Hot-loop copies indexed by request id (ids are 0..n-1): a list index is cheaper than a dict lookup.
+        by_rid: list[RequestRecord | None] = [None] * size
+        out_ids: list[list[int] | None] = [outputs.get(i) for i in range(size)]
+        high = [0] * size  # most tokens ever computed per request (for per-request recompute)
         finished = 0
         busy: list[tuple[float, float]] = []
         usage: list[tuple[float, float, float, float]] = []
-        usage_dt = 0.05
+        # Sample memory usage about usage_points times: start from the arrival span, halve when too many.
+        last_arrival = max((r.arrival for r in self.workload), default=0.0)
+        usage_dt = max(last_arrival, 1.0) / self.usage_points
         next_usage = 0.0
         n_steps = 0
         tokens_computed = 0
         recompute_s = 0.0
         stall_s = 0.0
-        high: dict[int, int] = {}  # most tokens ever computed per request (for per-request recompute)
         carry: list[CopyJob] = []  # layerwise copies the next step reads
         last_report = time.perf_counter()
 
@@ -201,14 +207,19 @@ class Simulator:
                 else:
                     r: SimRequest = payload
                     sched.add_request(Request(r.rid, r.prompt, max_tokens=len(r.output), arrival_time=r.arrival))
-                    records[r.rid] = RequestRecord(r.rid, r.rid if r.id is None else r.id, r.arrival, len(r.prompt))
+                    rec = RequestRecord(r.rid, r.rid if r.id is None else r.id, r.arrival, len(r.prompt))
+                    records[r.rid] = by_rid[r.rid] = rec
                     if tracing:
                         loop.log("arrival", r.rid, t_event)
             if to > loop.now:
                 loop.now = to
 
+        peek = loop.peek_time
+        n_steps_seen = 0
         while True:
-            advance(loop.now)
+            due = peek()
+            if due is not None and due <= loop.now:
+                advance(loop.now)
             if finished == total:
                 sched.settle()  # settle copies still in flight (stores to the CPU tier)
                 nt = loop.peek_time()
@@ -241,11 +252,12 @@ class Simulator:
                     e = c + n
                     attn += e * e - c * c
                     kv += e
-                    if e == req.num_tokens:
-                        sampled[rid] = outputs[rid][req.num_output_tokens]  # type: ignore[index]
-                    mark = high.get(rid, 0)  # type: ignore[call-overload]
+                    tokens = req.all_token_ids  # the Request's own list: len() is num_tokens, without a property
+                    if e == len(tokens):
+                        sampled[rid] = out_ids[rid][len(tokens) - req.num_prompt_tokens]  # type: ignore[index]
+                    mark = high[rid]  # type: ignore[index]
                     if mark > c:
-                        records[rid].recomputed_tokens += (e if e < mark else mark) - c  # type: ignore[index]
+                        by_rid[rid].recomputed_tokens += (e if e < mark else mark) - c  # type: ignore[index, union-attr]
                     if e > mark:
                         high[rid] = e  # type: ignore[index]
                 dt = compute.step_time(out.num_tokens, attn, kv, len(out.scheduled), len(sampled))
@@ -270,11 +282,11 @@ class Simulator:
                              len(out.preempted), len(out.resumed))
                     )  # fmt: skip
                 for rid in sampled:
-                    rec = records[rid]
+                    rec = by_rid[rid]  # type: ignore[assignment]
                     if rec.first_token < 0:
                         rec.first_token = end
                 for req in sched.update(out, sampled):
-                    rec = records[req.request_id]  # type: ignore[index]
+                    rec = by_rid[req.request_id]  # type: ignore[assignment, index]
                     rec.finish = end
                     rec.output_tokens = req.num_output_tokens
                     if tracing:
@@ -286,7 +298,9 @@ class Simulator:
                     fill = m.cpu_cached_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
                     usage.append((end, m.gpu_usage, m.cpu_usage, fill))
                     next_usage = end + usage_dt
-                    if len(usage) >= 2 * self.usage_points:  # keep the samples bounded: halve and slow down
+                    if (
+                        len(usage) >= 2 * self.usage_points
+                    ):  # a long tail: keep every other sample, sample half as often
                         usage = usage[::2]
                         usage_dt *= 2
                 carry = new_early
@@ -302,7 +316,8 @@ class Simulator:
                         f"{len(sched.swapped)} swapped) and nothing left to wait for"
                     )
                 advance(max(loop.now, nt))
-            if self.progress is not None and time.perf_counter() - last_report > 0.5:
+            n_steps_seen += 1
+            if self.progress is not None and not n_steps_seen & 31 and time.perf_counter() - last_report > 0.5:
                 self.progress(finished, total, loop.now)
                 last_report = time.perf_counter()
         if self.progress is not None:
