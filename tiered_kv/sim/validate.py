@@ -23,6 +23,7 @@ Runs are cached per (config, overrides), so a point costs one simulation at most
 from __future__ import annotations
 
 import copy
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -160,8 +161,8 @@ def validation_files(names: list[str] | None = None) -> list[ValidationFile]:
     return out
 
 
-def _key(overrides: dict[str, Any] | None) -> tuple:
-    return tuple(sorted((overrides or {}).items()))
+def _key(overrides: dict[str, Any] | None) -> str:
+    return json.dumps(overrides or {}, sort_keys=True)
 
 
 class Predictor:
