@@ -96,3 +96,19 @@ def test_nelder_mead_and_the_bounded_transforms():
     for lo, hi, value in ((0.2, 0.9, 0.47), (1e-7, 1e-3, 8e-6)):
         assert _from_unit(_to_unit(value, lo, hi), lo, hi) == pytest.approx(value)
         assert _from_unit(50.0, lo, hi) == pytest.approx(hi) and _from_unit(-50.0, lo, hi) == pytest.approx(lo)
+
+
+def test_fig19_shape_swap_loses_at_tiny_blocks_and_ties_at_medium_ones():
+    """The vLLM paper's Fig. 19 setup, shortened to 300 requests: vLLM v0's swapping against recompute."""
+    (vf,) = validation_files(["vllm-paper-fig19"])
+    from tiered_kv.sim.validate import Predictor
+
+    pred = Predictor()
+
+    def ratio(block_size: int) -> float:
+        runs = pred.results(vf, {"memory.block_size": block_size, "workload.num_requests": 300})
+        assert runs["swap"]["preemptions_swap"] > 0  # the comparison is about preemption
+        return runs["swap"]["norm_latency_s"] / runs["recompute"]["norm_latency_s"]
+
+    assert ratio(1) > 1.2  # 80 copies of 10 KiB per 1-token block of OPT-13B
+    assert abs(ratio(32) - 1.0) < 0.15

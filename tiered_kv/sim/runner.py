@@ -29,7 +29,7 @@ from tiered_kv.sim.report import demand_ratio, plot, regime_verdict, table, writ
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.sweep import sweep
 from tiered_kv.sim.timeline import chrome_trace
-from tiered_kv.sim.workload import generate
+from tiered_kv.sim.workload import SimRequest, generate
 
 __all__ = ["simulate", "sweep"]  # sweep lives in its own module; re-exported for existing callers
 
@@ -47,10 +47,17 @@ class Task:
     pid: int = 1
 
 
-def run_task(task: Task, hook: Callable[[int, int, float], None] | None = None) -> dict[str, Any]:
-    """Simulate one task (in this process or a worker); returns its results, plus rows and timeline if asked."""
+def run_task(
+    task: Task, hook: Callable[[int, int, float], None] | None = None, workload: list[SimRequest] | None = None
+) -> dict[str, Any]:
+    """Simulate one task (in this process or a worker); returns its results, plus rows and timeline if asked.
+
+    ``workload`` is the task's config's workload when the caller has it already (the same
+    seed always generates the same one); a worker process generates its own.
+    """
     st = setup(task.cfg, task.run_index, task.calibration)
-    workload = generate(task.cfg["workload"], task.cfg["seed"])
+    if workload is None:
+        workload = generate(task.cfg["workload"], task.cfg["seed"])
     t0 = time.perf_counter()
     sim = Simulator(st, workload, progress=hook, keep_timeline=task.keep_timeline)
     res = sim.run()
@@ -81,7 +88,13 @@ def regime_configs(raw: Any, stem: str, overrides: dict[str, Any] | None, cal: C
     return out
 
 
-def _serial(tasks: list[Task], prog: Progress, sizes: list[int], say: Callable[[str], None]) -> list[dict]:
+def _serial(
+    tasks: list[Task],
+    prog: Progress,
+    sizes: list[int],
+    say: Callable[[str], None],
+    workloads: dict[str | None, list[SimRequest]],
+) -> list[dict]:
     outs = []
     done_before = 0
     for task, n in zip(tasks, sizes, strict=True):
@@ -91,7 +104,7 @@ def _serial(tasks: list[Task], prog: Progress, sizes: list[int], say: Callable[[
         def hook(done: int, total: int, sim_t: float, base: int = done_before, label: str = label) -> None:
             prog.update(base + done, f"{label}, simulated {sim_t:.0f} s")
 
-        out = run_task(task, hook)
+        out = run_task(task, hook, workloads[task.regime])
         res = out["result"]
         say(
             f"  {label}: {res['makespan_s']:.1f} simulated s in {res['wall_s']:.1f} wall s "
@@ -155,9 +168,10 @@ def simulate(
     tasks: list[Task] = []
     sizes: list[int] = []
     heads = []
+    workloads: dict[str | None, list[SimRequest]] = {}
     for name, rate, _expect, cfg in regimes:
         setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
-        workload = build_workload(cfg, setups)  # sized and checked once per regime
+        workload = workloads[name] = build_workload(cfg, setups)  # sized and checked once per regime
         first = setups[0]
         ratio = demand_ratio(cfg, first, workload)
         where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
@@ -177,7 +191,7 @@ def simulate(
         if workers > 1 and len(tasks) > 1:
             outs = _parallel(tasks, workers, prog, sizes, say)
         else:
-            outs = _serial(tasks, prog, sizes, say)
+            outs = _serial(tasks, prog, sizes, say, workloads)
     results = [o["result"] for o in outs]
     summaries = []
     for name, rate, expect, _ in regimes:

@@ -201,6 +201,10 @@ class Predictor:
             raise ConfigError(f"validation {vf.name}.{p.id}.run: no run {name!r} (runs: {list(runs)})")
         value = SIM_METRICS[s["metric"]](runs[name])
         if s["relative_to"] is not None:
+            if s["relative_to"] not in runs:
+                raise ConfigError(
+                    f"validation {vf.name}.{p.id}.relative_to: no run {s['relative_to']!r} (runs: {list(runs)})"
+                )
             base = SIM_METRICS[s["metric"]](runs[s["relative_to"]])
             value = value / base if base else math.inf
         return value
