@@ -71,6 +71,7 @@ class Scheduler:
         self._high_water: dict[Hashable, int] = {}  # recompute victims: tokens they had computed
         self._aborting: set[Hashable] = set()
         self._loads: dict[Hashable, TransferHandle] = {}  # layer-wise swap-ins not settled yet
+        self._arriving: set[Hashable] = set()  # LOADING or SWAPPING_IN: they hold a seat
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
         self.copies_landed = 0
@@ -155,6 +156,7 @@ class Scheduler:
                 continue
             req = self.requests[c.request_id]
             rid = req.request_id
+            self._arriving.discard(rid)
             if c.kind is PlanKind.SWAP_OUT:
                 self.status[rid] = S.SWAPPED if c.ok else S.RUNNING
                 if not c.ok:
@@ -198,6 +200,7 @@ class Scheduler:
         promised = self.tm.blocks_freed_on_completion()
         scheduled: set[Hashable] = set()
         status, allocate, chunked = self.status, self.tm.allocate, self.config.chunked_prefill
+        high_water, loads, batch = self._high_water, self._loads, out.scheduled
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -214,11 +217,15 @@ class Scheduler:
                 fits, promised = self._make_room(req, n, scheduled, promised, out)
                 if not fits:
                     continue
-            self._add(out, req, n)
+            if high_water:
+                self._add(out, req, n)
+            else:  # _add without recompute marks to check: the hot path of every running request
+                batch.append((req, n))
+                out.num_tokens += n
             scheduled.add(rid)
             budget -= n
-            if self._loads and rid in self._loads:
-                out.loads[rid] = self._loads[rid]
+            if loads and rid in loads:
+                out.loads[rid] = loads[rid]
         if not out.preempted:
             budget = self._resume(out, budget)
         if not self.swapped and not out.preempted:
@@ -312,7 +319,7 @@ class Scheduler:
 
     def _num_admitted(self) -> int:
         """Requests holding a seat: running, or with KV arriving (loading, swapping in)."""
-        return len(self.running) + sum(1 for s in self.status.values() if s is S.LOADING or s is S.SWAPPING_IN)
+        return len(self.running) + len(self._arriving)
 
     def _resume(self, out: SchedulerOutput, budget: int) -> int:
         """Resume swapped requests, oldest first; return the token budget left."""
@@ -331,6 +338,7 @@ class Scheduler:
             out.resumed.append(rid)
             if res.plan is not None and not layered:
                 self.status[rid] = S.SWAPPING_IN
+                self._arriving.add(rid)
                 continue
             req.num_computed_tokens = res.num_tokens
             self.status[rid] = S.RUNNING
@@ -385,6 +393,7 @@ class Scheduler:
                 budget -= res.num_new_tokens
             else:
                 self.status[rid] = S.LOADING
+                self._arriving.add(rid)
 
     # ---------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, sampled: Mapping[Hashable, int]) -> list[Request]:
@@ -398,39 +407,44 @@ class Scheduler:
         are settled here, so call this after the step's compute, which waited
         for every layer.
         """
-        failed = {rid for rid, h in out.loads.items() if not h.wait()}  # waits only: nothing changes yet
+        loads = out.loads
+        failed = {rid for rid, h in loads.items() if not h.wait()} if loads else ()  # waits only: nothing changes
         need = 0
         for r, n in out.scheduled:  # check everything before changing anything
-            if r.request_id in failed:
-                continue
             if r.num_computed_tokens + n == len(r.all_token_ids):
+                rid = r.request_id
+                if failed and rid in failed:
+                    continue
                 need += 1
-                t = sampled.get(r.request_id)
+                t = sampled.get(rid)
                 if t.__class__ is not int:
                     raise InvalidArgumentError(
-                        f"request {r.request_id!r} reached the end of its tokens: sampled must map it to an int "
+                        f"request {rid!r} reached the end of its tokens: sampled must map it to an int "
                         f"token, got {checks.describe(t)}"
                     )
-        extra = len(sampled) - sum(1 for rid in failed if rid in sampled)
+        extra = len(sampled) - (sum(1 for rid in failed if rid in sampled) if failed else 0)
         if extra != need:
             raise InvalidArgumentError(f"sampled has {extra} entries, but {need} requests sampled a token")
         for h in out.saves.values():  # the step has computed every layer: whatever the driver did not open
             self.tm.open_all_layers(h)
-        for h in out.loads.values():
+        for h in loads.values():
             if self.tm.handle(h.plan.plan_id) is h:  # not settled by an abort meanwhile
                 self._apply([self.tm.process_completion(h)])
         finished: list[Request] = []
         on_tokens_computed = self.tm.on_tokens_computed
+        status, running = self.status, S.RUNNING
         for req, n in out.scheduled:
-            if req.request_id in failed or self.status.get(req.request_id) is not S.RUNNING:
+            rid = req.request_id
+            if status.get(rid) is not running or (failed and rid in failed):
                 continue  # its load failed (or it was aborted meanwhile): this step did not count
-            in_prompt = req.num_computed_tokens < req.num_prompt_tokens
-            req.num_computed_tokens += n
-            if in_prompt:
-                on_tokens_computed(req.request_id)
-            if req.num_computed_tokens == len(req.all_token_ids):
-                req.all_token_ids.append(sampled[req.request_id])
-                if len(req.all_token_ids) - req.num_prompt_tokens >= req.max_tokens:
+            c = req.num_computed_tokens
+            req.num_computed_tokens = c + n
+            if c < req.num_prompt_tokens:
+                on_tokens_computed(rid)
+            tokens = req.all_token_ids
+            if c + n == len(tokens):
+                tokens.append(sampled[rid])
+                if len(tokens) - req.num_prompt_tokens >= req.max_tokens:
                     self._finish(req)
                     finished.append(req)
         return finished
@@ -446,6 +460,7 @@ class Scheduler:
         del self.status[rid]
         self._high_water.pop(rid, None)
         self._loads.pop(rid, None)
+        self._arriving.discard(rid)
 
     def check_consistency(self) -> None:
         """Assert that queues, statuses and the manager's residencies agree (for tests)."""
@@ -463,6 +478,7 @@ class Scheduler:
                 expect = Residency.SWAPPING_IN
             assert res is expect, f"{rid!r}: status {st.value} but residency {res}"
         assert {r.request_id for r in self.running} == {k for k, s in self.status.items() if s is S.RUNNING}
+        assert self._arriving == {k for k, s in self.status.items() if s is S.LOADING or s is S.SWAPPING_IN}
         assert {r.request_id for r in self.waiting} == {k for k, s in self.status.items() if s is S.WAITING}
         swapping = (S.SWAPPING_OUT, S.SWAPPED)
         assert {r.request_id for r in self.swapped} == {k for k, s in self.status.items() if s in swapping}
