@@ -157,10 +157,12 @@ class CostAwarePolicy(VictimPolicy):
     def lower_key(self, c: Candidate, mode: str) -> tuple | None:
         """Per-block cost bound without pricing the candidate.
 
-        It frees at most ``num_gpu_blocks`` blocks and a swap copies each freed
-        block both ways at full bandwidth, so per block: swap >= one block's
-        bytes out and in; recompute >= its whole recompute time / table size.
-        A 1-tuple sorts before any longer tuple with the same first element.
+        It frees at most ``num_gpu_blocks`` blocks, and every block a swap
+        frees comes back in at full bandwidth at best, so per block: swap >=
+        one block's bytes in (not out: blocks the CPU tier holds already are
+        not copied out again); recompute >= its whole recompute time / table
+        size.  A 1-tuple sorts before any longer tuple with the same first
+        element.
         """
         cm = self.cost_model
         if cm is None:
@@ -168,7 +170,7 @@ class CostAwarePolicy(VictimPolicy):
         n_max = c.num_gpu_blocks
         if n_max == 0:
             return (math.inf,)
-        swap = cm.swap_out_time(1, 0) + cm.swap_in_time(1, 0)
+        swap = cm.swap_in_time(1, 0)
         rec = cm.recompute_time(c.num_computed_tokens) / n_max
         bound = swap if mode == "swap" else rec if mode == "recompute" else min(swap, rec)
         return (bound * (1 - 1e-9),)  # rounding must never lift the bound above the exact key
