@@ -37,21 +37,22 @@ from collections.abc import Callable, Hashable, Mapping
 
 from tiered_kv import checks
 from tiered_kv.core.request import Request
-from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
+from tiered_kv.errors import InvalidArgumentError, UnknownRequestError
 from tiered_kv.manager.metrics import MetricsSnapshot
-from tiered_kv.manager.outcomes import Completion, Preemption
-from tiered_kv.manager.policies import Candidate, get_policy, select_victims
-from tiered_kv.manager.states import PreemptMode, Residency
+from tiered_kv.manager.outcomes import Completion
+from tiered_kv.manager.policies import get_policy
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched.config import SchedulerConfig
+from tiered_kv.sched.consistency import check_consistency
 from tiered_kv.sched.output import SchedulerOutput
+from tiered_kv.sched.preemption import Preempting
 from tiered_kv.sched.status import MOVING, RequestStatus
 from tiered_kv.transfer.plan import PlanKind, TransferHandle
 
 S = RequestStatus
 
 
-class Scheduler:
+class Scheduler(Preempting):
     """Continuous batching with preemption by swap or recompute.
 
     Args:
@@ -257,66 +258,6 @@ class Scheduler:
                 if c + n >= mark:
                     del self._high_water[req.request_id]
 
-    def _make_room(
-        self, req: Request, n: int, scheduled: set[Hashable], promised: int, out: SchedulerOutput
-    ) -> tuple[bool, int]:
-        """Allocate ``n`` tokens for ``req``, preempting others if needed; (fits, promised blocks left)."""
-        tm, rid = self.tm, req.request_id
-        for i in range(len(self.running) + 1):  # each round preempts at least one victim, or ends
-            if i and tm.allocate(rid, n) is not None:  # the caller tried once already
-                return True, promised
-            short = tm.blocks_short(rid, n)
-            if short <= promised:
-                return False, promised - short  # copies in flight will free enough: wait for them
-            victims = select_victims(
-                self.policy, self._candidates(scheduled | {rid}), short - promised, self.config.mode, tm.cpu_room()
-            )
-            if victims is None:
-                if rid in self._loads:  # its KV is still landing: it cannot be preempted now; it waits
-                    return False, promised
-                self._preempt(req, out)  # nobody else can make room: vLLM preempts the request itself
-                return False, promised
-            for v in victims:
-                promised += self._preempt(self.requests[v.request_id], out).blocks_freed_on_completion
-        raise AssertionError(f"request {rid!r}: preemption did not make room")  # pragma: no cover
-
-    def _candidates(self, exclude: set[Hashable]) -> list[Candidate]:
-        """Running requests that may be preempted, ranked by vLLM's rule (higher rank goes first)."""
-        status, loads = self.status, self._loads
-        if self.config.scheduling == "fcfs":
-            order = list(self.running)
-        else:
-            order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return [
-            Candidate(
-                r.request_id,
-                rank,
-                len(self.tm.gpu_block_ids(r.request_id)),
-                r.num_computed_tokens,
-                r.num_prompt_tokens,
-                self.tm.quote,
-            )
-            for rank, r in enumerate(order)
-            if r.request_id not in exclude and status[r.request_id] is S.RUNNING and r.request_id not in loads
-        ]
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> Preemption:
-        rid = req.request_id
-        p = self.tm.preempt(rid, self.config.mode) or self.tm.preempt(rid, "auto")  # forced swap impossible
-        assert p is not None
-        self.running.remove(req)
-        req.num_preemptions += 1
-        out.preempted.append((rid, p.mode))
-        if p.mode is PreemptMode.SWAP:
-            self.status[rid] = S.SWAPPED if p.residency is Residency.CPU else S.SWAPPING_OUT
-            self.swapped.append(req)
-        else:
-            self._high_water[rid] = max(self._high_water.get(rid, 0), req.num_computed_tokens)
-            req.num_computed_tokens = 0
-            self.status[rid] = S.WAITING
-            self.waiting.appendleft(req)
-        return p
-
     def _num_admitted(self) -> int:
         """Requests holding a seat: running, or with KV arriving (loading, swapping in)."""
         return len(self.running) + len(self._arriving)
@@ -464,24 +405,4 @@ class Scheduler:
 
     def check_consistency(self) -> None:
         """Assert that queues, statuses and the manager's residencies agree (for tests)."""
-        for rid, st in self.status.items():
-            res = self.tm.residency(rid) if self.tm.holds(rid) else None
-            expect = {
-                S.WAITING: None,
-                S.LOADING: Residency.LOADING,
-                S.RUNNING: Residency.GPU,
-                S.SWAPPING_OUT: Residency.SWAPPING_OUT,
-                S.SWAPPED: Residency.CPU,
-                S.SWAPPING_IN: Residency.SWAPPING_IN,
-            }[st]
-            if rid in self._loads:  # running while its KV lands layer by layer
-                expect = Residency.SWAPPING_IN
-            assert res is expect, f"{rid!r}: status {st.value} but residency {res}"
-        assert {r.request_id for r in self.running} == {k for k, s in self.status.items() if s is S.RUNNING}
-        assert self._arriving == {k for k, s in self.status.items() if s is S.LOADING or s is S.SWAPPING_IN}
-        assert {r.request_id for r in self.waiting} == {k for k, s in self.status.items() if s is S.WAITING}
-        swapping = (S.SWAPPING_OUT, S.SWAPPED)
-        assert {r.request_id for r in self.swapped} == {k for k, s in self.status.items() if s in swapping}
-        for rid, st in self.status.items():
-            if st is S.WAITING and self.requests[rid].num_computed_tokens != 0:
-                raise InvalidTransitionError(f"{rid!r} waits with computed tokens")
+        check_consistency(self)
