@@ -27,6 +27,7 @@ from setuptools.command.build_ext import build_ext
 # is left out: it is bound by hashlib, and compiling it measured no faster.
 COMPILED = [
     "tiered_kv/core/block.py",
+    "tiered_kv/core/compile_hints.py",
     "tiered_kv/core/free_queue.py",
     "tiered_kv/core/pool_checks.py",
     "tiered_kv/core/pool_cache.py",

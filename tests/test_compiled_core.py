@@ -10,6 +10,10 @@ import ast
 import importlib
 import importlib.machinery
 import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -46,3 +50,26 @@ def test_every_listed_module_is_compiled_or_none_is():
 @pytest.mark.skipif("TIERED_KV_EXPECT_COMPILED" not in os.environ, reason="the test script says what it expects")
 def test_the_core_is_compiled_exactly_when_the_test_script_expects_it():
     assert tiered_kv.core.COMPILED == (os.environ["TIERED_KV_EXPECT_COMPILED"] == "1")
+
+
+@pytest.mark.slow
+def test_asked_to_compile_without_a_c_compiler_the_build_is_pure_python(tmp_path):
+    """``TIERED_KV_MYPYC=1`` where no compiler works: a pure wheel and a warning, not a failed install."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.so")
+    shutil.copytree(ROOT / "tiered_kv", src / "tiered_kv", symlinks=True, ignore=ignore)
+    shutil.copytree(ROOT / "configs", src / "configs", ignore=ignore)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(TIERED_KV_MYPYC="1", CC=str(tmp_path / "no-such-cc"))
+    cmd = [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w", str(tmp_path)]
+    proc = subprocess.run([*cmd, str(src)], cwd=src, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no working C compiler" in proc.stdout + proc.stderr
+    (wheel,) = tmp_path.glob("tiered_kv-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "tiered_kv/core/block_pool.py" in names
+    assert not [n for n in names if n.endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES))]
+    assert wheel.name.endswith("-py3-none-any.whl")

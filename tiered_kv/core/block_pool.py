@@ -34,15 +34,16 @@ from collections.abc import Callable
 from tiered_kv import checks
 from tiered_kv.core import pool_checks as pc
 from tiered_kv.core.block import BlockHash, KVCacheBlock
+from tiered_kv.core.compile_hints import mypyc_attr
 from tiered_kv.core.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 from tiered_kv.core.free_queue import FreeBlockQueue
-from tiered_kv.core.pool_cache import CacheMap, cache_range, check_map, num_cached_blocks, stored_event
-from tiered_kv.core.request import Request
-from tiered_kv.errors import BlockStateError, HashingError, InvalidArgumentError, NotEnoughFreeBlocksError
+from tiered_kv.core.pool_cache import CacheMap, cache_range, check_state, num_cached_blocks, stored_event
+from tiered_kv.errors import BlockStateError, InvalidArgumentError, NotEnoughFreeBlocksError
 
-MEDIA = ("GPU", "CPU")
+MEDIA = pc.MEDIA
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockPool:
     """A fixed set of blocks, a free queue in reuse order, and a prefix-cache map.
 
@@ -65,28 +66,17 @@ class BlockPool:
         enable_kv_cache_events: object = False,
         medium: object = "GPU",
     ) -> None:
-        if type(num_blocks) is not int or num_blocks < 2:
-            raise InvalidArgumentError(
-                f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}"
-            )
-        if type(medium) is not str or medium not in MEDIA:
-            raise InvalidArgumentError(f"medium must be one of {MEDIA}, got {medium!r}")
-        if type(enable_caching) is not bool:
-            raise InvalidArgumentError(f"enable_caching must be True or False, got {checks.describe(enable_caching)}")
-        if type(enable_kv_cache_events) is not bool:
-            raise InvalidArgumentError(
-                f"enable_kv_cache_events must be True or False, got {checks.describe(enable_kv_cache_events)}"
-            )
-        self.num_gpu_blocks: int = num_blocks  # vLLM's name, kept for adapters
-        self.num_blocks: int = num_blocks
-        self.enable_caching: bool = enable_caching
-        self.medium: str = medium
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
+        n, caching, events, tier = pc.check_pool_args(num_blocks, enable_caching, enable_kv_cache_events, medium)
+        self.num_gpu_blocks: int = n  # vLLM's name, kept for adapters
+        self.num_blocks: int = n
+        self.enable_caching: bool = caching
+        self.medium: str = tier
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(n)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_block_hash_to_block: CacheMap = {}
         self.null_block: KVCacheBlock = self.free_block_queue.popleft()
         self.null_block.is_null = True
-        self.enable_kv_cache_events: bool = enable_kv_cache_events
+        self.enable_kv_cache_events: bool = events
         self.kv_event_queue: list[KVCacheEvent] = []
         # Called by get_new_blocks with (blocks, their old hashes) just evicted, after
         # the blocks are handed out; for a tier that saves what the GPU evicts.
@@ -237,13 +227,7 @@ class BlockPool:
                     removed += 1
                 block.ref_cnt += 1
         except (AttributeError, TypeError, LookupError):
-            k = pc.first_bad(blocks, own)
-            for block in reversed(blocks[:k]):  # undo, last first, so a repeated block unwinds right
-                if block is not null:
-                    block.ref_cnt -= 1
-                    if block.ref_cnt == 0:
-                        block.stale -= 1
-            err = pc.diagnose_blocks("blocks", blocks, own, self.medium)
+            err = pc.undo_touch(blocks, own, null, self.medium)
             if err is None:
                 raise
             raise err from None
@@ -291,19 +275,12 @@ class BlockPool:
                 elif rc < 0:
                     bad = True
         except (AttributeError, TypeError, LookupError):
-            for block in blocks[: pc.first_bad(blocks, own)]:
-                if block is not null:
-                    block.ref_cnt += 1
-            err = pc.diagnose_blocks("ordered_blocks", blocks, own, self.medium)
+            err = pc.undo_free(blocks, own, null, self.medium)
             if err is None:
                 raise
             raise err from None
         if bad:
-            for block in blocks:
-                if block is not null:
-                    block.ref_cnt += 1
-            culprits = sorted({b.block_id for b in blocks if b is not null and blocks.count(b) > b.ref_cnt})
-            raise BlockStateError(f"double free in the {self.medium} pool: block(s) {culprits} have no owner left")
+            raise pc.undo_double_free(blocks, null, self.medium)
         fq = self.free_block_queue
         if to_front:
             fq.prepend_n(to_front)
@@ -373,39 +350,14 @@ class BlockPool:
             BlockStateError: a block in range carries a different hash, is
                 listed twice, or belongs to another pool (nothing changes).
         """
-        if (
-            type(num_cached_blocks) is not int
-            or type(num_full_blocks) is not int
-            or type(block_size) is not int
-            or block_size <= 0
-        ):
-            raise InvalidArgumentError(
-                "num_cached_blocks and num_full_blocks must be ints and block_size an int > 0, got "
-                f"{checks.describe(num_cached_blocks)}, {checks.describe(num_full_blocks)}, "
-                f"{checks.describe(block_size)}"
-            )
-        if not isinstance(request, Request):
-            raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
-        if type(blocks) is not list and type(blocks) is not tuple:
-            raise InvalidArgumentError(f"blocks must be a list of KV blocks, got {checks.describe(blocks)}")
-        if num_cached_blocks >= num_full_blocks:
-            if num_cached_blocks < 0 or num_full_blocks < 0:
-                raise InvalidArgumentError(f"negative block counts: {num_cached_blocks}, {num_full_blocks}")
-            return
-        hashes = request.block_hashes
-        if num_cached_blocks < 0 or num_full_blocks > len(blocks):
-            raise InvalidArgumentError(
-                f"cannot cache blocks [{num_cached_blocks}, {num_full_blocks}) of a table of {len(blocks)}"
-            )
-        if num_full_blocks > len(hashes):
-            raise HashingError(
-                f"request {request.request_id!r}: block {len(hashes)} is partial or not final "
-                f"({request.num_tokens} tokens, block size {block_size}); only full blocks are cached"
-            )
+        args = pc.check_cache_args(request, blocks, num_cached_blocks, num_full_blocks, block_size)
+        if args is None:
+            return  # nothing to cache
+        req, table, first, last, bs = args
         cmap = self.cached_block_hash_to_block
-        skipped = cache_range(self.blocks, cmap, blocks, hashes, num_cached_blocks, num_full_blocks, self.medium)
+        skipped = cache_range(self.blocks, cmap, table, req.block_hashes, first, last, self.medium)
         if self.enable_kv_cache_events:
-            event = stored_event(request, blocks, num_cached_blocks, num_full_blocks, block_size, skipped, self.medium)
+            event = stored_event(req, table, first, last, bs, skipped, self.medium)
             if event is not None:
                 self.kv_event_queue.append(event)
 
@@ -451,12 +403,4 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Assert the pool's invariants (O(num_blocks); for tests and debugging)."""
         free = self.free_block_queue.get_all_free_blocks()
-        free_ids = {b.block_id for b in free}
-        assert len(free_ids) == len(free) == self.get_num_free_blocks(), "a block is in the free queue twice"
-        assert 0 not in free_ids, "the null block is in the free queue"
-        for block in self.blocks[1:]:
-            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
-            assert (block.ref_cnt == 0) == (block.block_id in free_ids), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but free={block.block_id in free_ids}"
-            )
-        check_map(self.blocks, self.cached_block_hash_to_block)
+        check_state(self.blocks, free, self.get_num_free_blocks(), self.cached_block_hash_to_block)

@@ -23,6 +23,7 @@ from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.block_hasher import BlockHasher
 from tiered_kv.core.block_pool import BlockPool
+from tiered_kv.core.compile_hints import mypyc_attr
 from tiered_kv.core.events import KVCacheEvent
 from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.request import Request
@@ -30,6 +31,7 @@ from tiered_kv.core.stats import PrefixCacheStats
 from tiered_kv.errors import InvalidArgumentError
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheManager:
     """Block tables for requests over one pool.
 
@@ -187,15 +189,31 @@ class KVCacheManager:
                     self.cache_blocks(request, total if total < n_tok else n_tok)
             return new_blocks
 
-        _, n_tokens, n_comp, hits, n_ahead, delay = self._check_allocation(
+        return self._allocate_general(
             request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            delay_cache_blocks,
+            req_blocks,
+            self._check_allocation(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                delay_cache_blocks,
+            ),
+            checks.count("num_external_computed_tokens", num_external_computed_tokens),
         )
-        n_ext = checks.count("num_external_computed_tokens", num_external_computed_tokens)
+
+    def _allocate_general(
+        self,
+        request: Request,
+        req_blocks: list[KVCacheBlock] | None,
+        args: tuple[Request, int, int, list[KVCacheBlock] | None, int, bool],
+        n_ext: int,
+    ) -> list[KVCacheBlock] | None:
+        """``allocate_slots`` for every case but a running request's plain step, arguments checked."""
+        _, n_tokens, n_comp, hits, n_ahead, delay = args
+        rid = request.request_id
+        bs = self.block_size
         if n_ext:
             if req_blocks:
                 raise InvalidArgumentError(f"request {rid!r}: external KV can only arrive with the first allocation")

@@ -152,8 +152,16 @@ def num_cached_blocks(cmap: CacheMap) -> int:
     return sum(1 if isinstance(v, KVCacheBlock) else len(v) for v in cmap.values())
 
 
-def check_map(blocks: list[KVCacheBlock], cmap: CacheMap) -> None:
-    """Assert that the hashed blocks and the map agree exactly (O(blocks); for tests)."""
+def check_state(blocks: list[KVCacheBlock], free: list[KVCacheBlock], num_free: int, cmap: CacheMap) -> None:
+    """Assert a pool's invariants: free queue, ref counts and map agree (O(blocks); for tests)."""
+    free_ids = {b.block_id for b in free}
+    assert len(free_ids) == len(free) == num_free, "a block is in the free queue twice"
+    assert 0 not in free_ids, "the null block is in the free queue"
+    for block in blocks[1:]:
+        assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+        assert (block.ref_cnt == 0) == (block.block_id in free_ids), (
+            f"block {block.block_id}: ref_cnt {block.ref_cnt} but free={block.block_id in free_ids}"
+        )
     for block in blocks:
         if block.block_hash is not None:
             entry = cmap.get(block.block_hash)

@@ -1,4 +1,4 @@
-"""Argument checks of the block pool's public calls, and the diagnosis of a bad argument.
+"""Argument checks of the block pool's public calls, and the error paths of its one-pass loops.
 
 The pool's hot paths check their arguments inside the loop that does the work
 (a block of this pool is ``own[b.block_id] is b``; anything else fails that
@@ -18,7 +18,67 @@ from collections.abc import Iterable, Sequence
 
 from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
-from tiered_kv.errors import BlockStateError, InvalidArgumentError, TieredKVError
+from tiered_kv.core.request import Request
+from tiered_kv.errors import BlockStateError, HashingError, InvalidArgumentError, TieredKVError
+
+MEDIA = ("GPU", "CPU")
+Blocks = list[KVCacheBlock]
+
+
+def check_pool_args(
+    num_blocks: object, enable_caching: object, enable_kv_cache_events: object, medium: object
+) -> tuple[int, bool, bool, str]:
+    """``BlockPool``'s arguments, checked and typed."""
+    if type(num_blocks) is not int or num_blocks < 2:
+        raise InvalidArgumentError(f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}")
+    if type(medium) is not str or medium not in MEDIA:
+        raise InvalidArgumentError(f"medium must be one of {MEDIA}, got {medium!r}")
+    if type(enable_caching) is not bool:
+        raise InvalidArgumentError(f"enable_caching must be True or False, got {checks.describe(enable_caching)}")
+    if type(enable_kv_cache_events) is not bool:
+        raise InvalidArgumentError(
+            f"enable_kv_cache_events must be True or False, got {checks.describe(enable_kv_cache_events)}"
+        )
+    return num_blocks, enable_caching, enable_kv_cache_events, medium
+
+
+def check_cache_args(
+    request: object, blocks: object, num_cached_blocks: object, num_full_blocks: object, block_size: object
+) -> tuple[Request, Sequence[KVCacheBlock], int, int, int] | None:
+    """``cache_full_blocks``' arguments, checked and typed; ``None`` when the range is empty.
+
+    The blocks themselves are checked by the caching loop (see ``pool_cache.cache_range``).
+    """
+    if (
+        type(num_cached_blocks) is not int
+        or type(num_full_blocks) is not int
+        or type(block_size) is not int
+        or block_size <= 0
+    ):
+        raise InvalidArgumentError(
+            "num_cached_blocks and num_full_blocks must be ints and block_size an int > 0, got "
+            f"{checks.describe(num_cached_blocks)}, {checks.describe(num_full_blocks)}, "
+            f"{checks.describe(block_size)}"
+        )
+    if not isinstance(request, Request):
+        raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
+    if type(blocks) is not list and type(blocks) is not tuple:
+        raise InvalidArgumentError(f"blocks must be a list of KV blocks, got {checks.describe(blocks)}")
+    if num_cached_blocks >= num_full_blocks:
+        if num_cached_blocks < 0 or num_full_blocks < 0:
+            raise InvalidArgumentError(f"negative block counts: {num_cached_blocks}, {num_full_blocks}")
+        return None
+    n_hashes = len(request.block_hashes)
+    if num_cached_blocks < 0 or num_full_blocks > len(blocks):
+        raise InvalidArgumentError(
+            f"cannot cache blocks [{num_cached_blocks}, {num_full_blocks}) of a table of {len(blocks)}"
+        )
+    if num_full_blocks > n_hashes:
+        raise HashingError(
+            f"request {request.request_id!r}: block {n_hashes} is partial or not final "
+            f"({request.num_tokens} tokens, block size {block_size}); only full blocks are cached"
+        )
+    return request, blocks, num_cached_blocks, num_full_blocks, block_size
 
 
 def bad_count(name: str, value: object, minimum: int = 0) -> InvalidArgumentError:
@@ -88,3 +148,35 @@ def check_hashes(name: str, hashes: object) -> list[bytes | int]:
             raise bad_hash(f"a block hash in {name}", h)
         out.append(h)
     return out
+
+
+def undo_touch(
+    blocks: list[KVCacheBlock], own: list[KVCacheBlock], null: KVCacheBlock, medium: str
+) -> TieredKVError | None:
+    """Undo a ``touch`` loop stopped by a bad item; return that item's error (``None``: no bad item)."""
+    k = first_bad(blocks, own)
+    for block in reversed(blocks[:k]):  # last first, so that a repeated block unwinds exactly
+        if block is not null:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                block.stale -= 1
+    return diagnose_blocks("blocks", blocks, own, medium)
+
+
+def undo_free(
+    blocks: list[KVCacheBlock], own: list[KVCacheBlock], null: KVCacheBlock, medium: str
+) -> TieredKVError | None:
+    """Undo a ``free_blocks`` loop stopped by a bad item; return that item's error (``None``: no bad item)."""
+    for block in blocks[: first_bad(blocks, own)]:
+        if block is not null:
+            block.ref_cnt += 1
+    return diagnose_blocks("ordered_blocks", blocks, own, medium)
+
+
+def undo_double_free(blocks: list[KVCacheBlock], null: KVCacheBlock, medium: str) -> BlockStateError:
+    """Undo a whole ``free_blocks`` loop that took a block below zero owners; return the error."""
+    for block in blocks:
+        if block is not null:
+            block.ref_cnt += 1
+    culprits = sorted({b.block_id for b in blocks if b is not null and blocks.count(b) > b.ref_cnt})
+    return BlockStateError(f"double free in the {medium} pool: block(s) {culprits} have no owner left")
