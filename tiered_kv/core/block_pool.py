@@ -161,13 +161,15 @@ class BlockPool:
                 f"cannot get {num_blocks} free blocks from the {self.medium} pool: "
                 f"{fq.num_free_blocks} free of {self.num_blocks - 1}"
             )
+        # Only a consumer (events, on_evict) needs the evicted blocks listed: they are the
+        # hashed ones among those about to be handed out, which peek names in order.
+        doomed: list[KVCacheBlock] | None = None
+        if self.enable_kv_cache_events or self.on_evict is not None:
+            doomed = [b for b in fq.peek(num_blocks) if b.block_hash is not None]
+            old_hashes = [b.block_hash for b in doomed]
         fq.num_free_blocks -= num_blocks
         pop = fq._dq.popleft
         cmap = self.cached_block_hash_to_block
-        # Evicted blocks and hashes are listed only for a consumer (events, on_evict).
-        record = self.enable_kv_cache_events or self.on_evict is not None
-        evicted: list[KVCacheBlock] = []
-        removed: list[BlockHash] = []
         ret: list[KVCacheBlock] = []
         skipped = 0
         for _ in range(num_blocks):
@@ -187,18 +189,16 @@ class BlockPool:
                     if not entry:
                         del cmap[h]
                 block.block_hash = None
-                if record:
-                    evicted.append(block)
-                    removed.append(h)
             block.ref_cnt = 1
             ret.append(block)
         if skipped:
             fq._num_stale -= skipped
-        if removed:
+        if doomed:
+            removed = [h for h in old_hashes if h is not None]
             if self.enable_kv_cache_events:
                 self.kv_event_queue.append(BlockRemoved(removed, self.medium))
             if self.on_evict is not None:
-                self.on_evict(evicted, removed)
+                self.on_evict(doomed, removed)
         return ret
 
     def touch(self, blocks: object) -> None:

@@ -28,7 +28,7 @@ def cache_range(
     first: int,
     last: int,
     medium: str,
-) -> list[int]:
+) -> list[int] | None:
     """Cache ``blocks[i]`` under ``hashes[i]`` for ``first <= i < last``, in one pass; all-or-nothing.
 
     Each block is checked in the loop that caches it; on a bad one the blocks
@@ -37,13 +37,14 @@ def cache_range(
     would get (vLLM skips both).
 
     Returns:
-        The indices skipped because their block already carried its hash.
+        The indices skipped because their block already carried its hash
+        (``None`` for none: the common case allocates no list).
 
     Raises:
         BlockStateError / InvalidArgumentError: a block is foreign or not a
             block, already carries another hash, or is listed twice.
     """
-    skipped: list[int] = []
+    skipped: list[int] | None = None
     i = first
     try:
         for i in range(first, last):
@@ -64,13 +65,15 @@ def cache_range(
                 else:
                     entry[block.block_id] = block
             elif bh == h and not _listed_in(blocks, first, i, block):
-                skipped.append(i)  # restored by copy, then cached again by its request
+                if skipped is None:  # restored by copy, then cached again by its request
+                    skipped = []
+                skipped.append(i)
             else:
                 raise LookupError
     except (AttributeError, TypeError, LookupError):
         for j in range(first, i):
             block = blocks[j]
-            if block.block_hash is not None and j not in skipped:
+            if block.block_hash is not None and (skipped is None or j not in skipped):
                 uncache(cmap, block)
         err = _range_error(blocks, hashes, first, i, own, medium)
         if err is None:
@@ -128,11 +131,11 @@ def stored_event(
     first: int,
     last: int,
     block_size: int,
-    skipped: list[int],
+    skipped: list[int] | None,
     medium: str,
 ) -> BlockStored | None:
     """The ``BlockStored`` event of a ``cache_range`` call (``None`` if it cached nothing)."""
-    new_idx = [i for i in range(first, last) if not blocks[i].is_null and i not in skipped]
+    new_idx = [i for i in range(first, last) if not blocks[i].is_null and (skipped is None or i not in skipped)]
     if not new_idx:
         return None
     hashes = request.block_hashes
