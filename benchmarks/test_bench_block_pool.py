@@ -43,8 +43,8 @@ def test_pool_calls(benchmark, trace_log, name):
     benchmark.group = "pool calls (2000-request trace)"
     benchmark.extra_info["calls"] = len(trace_log.calls)
     benchmark.extra_info["block_ops"] = sum(trace_log.units().values())
-    if benchmark.disabled:
-        _, pool = pl.run(target, trace_log, check=True)  # the smoke run checks the decisions too
+    if benchmark.disabled:  # the smoke run checks the decisions too
+        _, pool = benchmark(pl.run, target, trace_log, True)
         assert target.cached_ids(pool)
         return
     benchmark.pedantic(pl.play, setup=lambda: (pl.setup(target, trace_log)[1:], {}), rounds=ROUNDS)

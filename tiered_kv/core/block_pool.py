@@ -37,7 +37,8 @@ from tiered_kv.core.block import BlockHash, KVCacheBlock
 from tiered_kv.core.compile_hints import mypyc_attr
 from tiered_kv.core.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 from tiered_kv.core.free_queue import FreeBlockQueue
-from tiered_kv.core.pool_cache import CacheMap, cache_range, check_state, num_cached_blocks, stored_event
+from tiered_kv.core.pool_cache import CacheMap, cache_one, cache_range, check_state, num_cached_blocks, stored_event
+from tiered_kv.core.request import Request
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, NotEnoughFreeBlocksError
 
 MEDIA = pc.MEDIA
@@ -211,13 +212,13 @@ class BlockPool:
             InvalidArgumentError / BlockStateError: an item is not a block of
                 this pool (nothing changes).
         """
-        if type(blocks) is not list:
-            blocks = pc.as_block_list("blocks", blocks)
+        # Typed, so that compiled code reads each block's fields directly (and rejects a non-block).
+        items: list[KVCacheBlock] = blocks if type(blocks) is list else pc.as_block_list("blocks", blocks)
         own = self.blocks
         null = self.null_block
         removed = 0
         try:
-            for block in blocks:
+            for block in items:
                 if own[block.block_id] is not block:
                     raise LookupError
                 if block is null:
@@ -227,7 +228,7 @@ class BlockPool:
                     removed += 1
                 block.ref_cnt += 1
         except (AttributeError, TypeError, LookupError):
-            err = pc.undo_touch(blocks, own, null, self.medium)
+            err = pc.undo_touch(items, own, null, self.medium)
             if err is None:
                 raise
             raise err from None
@@ -252,7 +253,9 @@ class BlockPool:
             BlockStateError: a block would go below zero owners (double free) or
                 belongs to another pool; nothing changes.
         """
-        blocks = ordered_blocks if type(ordered_blocks) is list else pc.as_block_list("ordered_blocks", ordered_blocks)
+        blocks: list[KVCacheBlock] = (
+            ordered_blocks if type(ordered_blocks) is list else pc.as_block_list("ordered_blocks", ordered_blocks)
+        )
         own = self.blocks
         null = self.null_block
         to_front: list[KVCacheBlock] = []
@@ -350,6 +353,23 @@ class BlockPool:
             BlockStateError: a block in range carries a different hash, is
                 listed twice, or belongs to another pool (nothing changes).
         """
+        if (
+            type(num_cached_blocks) is int
+            and type(num_full_blocks) is int
+            and type(blocks) is list
+            and isinstance(request, Request)
+            and num_full_blocks == num_cached_blocks + 1
+            and 0 <= num_cached_blocks < len(blocks)
+            and num_cached_blocks < len(request.block_hashes)
+            and type(block_size) is int
+            and block_size > 0
+            and not self.enable_kv_cache_events
+        ):
+            # One block, filled by a decode step: the common call, entered without the general
+            # path's calls.  Anything unusual about the block falls through to that path.
+            h = request.block_hashes[num_cached_blocks]
+            if cache_one(self.blocks, self.cached_block_hash_to_block, blocks[num_cached_blocks], h):
+                return
         args = pc.check_cache_args(request, blocks, num_cached_blocks, num_full_blocks, block_size)
         if args is None:
             return  # nothing to cache
