@@ -1,8 +1,27 @@
 #!/usr/bin/env bash
 # The whole test suite: lint, then every test (GPU tests skip without a GPU).
+# With no arguments it then type-checks the bookkeeping core and runs its tests a second
+# time against the core compiled by mypyc (scripts/build-compiled-core.sh); with arguments,
+# only pytest's pass over them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-venv.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check . || { echo "run: .venv/bin/ruff format ."; exit 1; }
-exec .venv/bin/python -m pytest -q "$@"
+TIERED_KV_EXPECT_COMPILED=0 .venv/bin/python -m pytest -q "$@"
+[ $# -eq 0 ] || exit 0
+
+# The compiled core: the tests of the core and of what drives it hardest.
+.venv/bin/mypy
+compiled=$(bash scripts/build-compiled-core.sh)
+if [ -z "$compiled" ]; then
+    echo "test.sh: no C compiler could build the compiled core; its test pass is skipped" >&2
+    exit 0
+fi
+echo "--- again, on the core compiled by mypyc ($compiled)"
+# .venv/bin/pytest, not python -m: the checkout's directory must not come before the build on sys.path.
+TIERED_KV_EXPECT_COMPILED=1 PYTHONPATH="$PWD/$compiled" .venv/bin/pytest -q -p no:cacheprovider \
+    tests/test_compiled_core.py tests/test_block_pool.py tests/test_free_queue.py tests/test_walkthrough.py \
+    tests/test_core_bad_input.py tests/test_core_types.py tests/test_core_stateful.py tests/test_core_import.py \
+    tests/test_hashing.py tests/test_tier_scenarios.py tests/test_tier_faults.py tests/test_tier_misuse.py \
+    tests/test_tier_stateful.py tests/test_scheduler.py tests/test_policies.py

@@ -256,3 +256,39 @@ def test_restore_installs_hits_then_fresh_blocks_and_changes_nothing_when_it_doe
     mgr.cache_blocks(r, 13)
     assert new[0].block_hash == r_hashes[2] and new[1].block_hash is None
     mgr.block_pool.check_invariants()
+
+
+def test_get_cached_prefix_returns_the_hits_up_to_the_first_miss_as_get_cached_block_does():
+    mgr = KVCacheManager(12, block_size=2)
+    r0 = admit(mgr, "r0", "aabbccd")  # 1 2 3 full, 4 partial
+    r1 = admit(mgr, "r1", "aabbxxy")  # hits 1 2, then 5 6
+    pool = mgr.block_pool
+    hashes = r0.block_hashes
+    assert [b.block_id for b in pool.get_cached_prefix(hashes)] == [1, 2, 3]
+    assert pool.get_cached_prefix(hashes) == [pool.get_cached_block(h) for h in hashes]
+    assert [b.block_id for b in pool.get_cached_prefix(hashes, 2)] == [1, 2]
+    assert pool.get_cached_prefix(hashes, 0) == []
+    assert pool.get_cached_prefix((hashes[0], b"\x00" * 32, hashes[2])) == [pool.blocks[1]]  # stops at the miss
+    assert pool.get_cached_prefix([b"\x00" * 32, "not a hash"]) == []  # items after the miss are not examined
+    mgr.free(r0)
+    assert [b.block_id for b in pool.get_cached_prefix(hashes)] == [1, 2, 3]  # free blocks still hit
+    assert queue(pool) == ["4", "7", "8", "9", "10", "11", "3*"]  # and stay where they were
+    mgr.free(r1)
+
+
+def test_on_evict_gets_the_evicted_blocks_and_their_hashes_in_hand_out_order():
+    mgr = KVCacheManager(5, block_size=2)
+    pool = mgr.block_pool
+    seen = []
+    pool.on_evict = lambda blocks, hashes: seen.append(([b.block_id for b in blocks], list(hashes)))
+    r = admit(mgr, "r", "aabbccdd")  # 1 2 3 4, all full
+    old = list(r.block_hashes)
+    mgr.free(r)
+    assert queue(pool) == ["4*", "3*", "2*", "1*"]
+    assert seen == []
+    got = pool.get_new_blocks(3)
+    assert [b.block_id for b in got] == [4, 3, 2]
+    assert seen == [([4, 3, 2], [old[3], old[2], old[1]])]
+    pool.free_blocks(got)
+    pool.get_new_blocks(1)  # block 4, no hash any more: nothing evicted, no call
+    assert len(seen) == 1

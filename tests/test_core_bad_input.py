@@ -23,6 +23,13 @@ def populated() -> tuple[KVCacheManager, Request]:
     return mgr, r
 
 
+def _long(mgr) -> Request:
+    """A request whose first five blocks are full and hashed (the first three as b's)."""
+    req = Request("long", letters("aabbcyzzqq"))
+    mgr.hasher.update(req)
+    return req
+
+
 def _partial_cache(mgr, r):
     # Table of b is [1, 2, 6, 7]; only 3 blocks are full, so caching 4 must refuse.
     mgr.num_cached_block["b"] = 3
@@ -63,6 +70,40 @@ CASES = [
         BlockStateError,
         "block 5 is already cached under another hash",
         lambda m, r: m.block_pool.cache_full_blocks(r, m.req_to_blocks["a"], 2, 3, 2),
+    ),
+    (
+        "touching a free block twice, then a foreign block",
+        BlockStateError,
+        "block 9 does not belong to this GPU pool",
+        lambda m, r: m.block_pool.touch([m.block_pool.blocks[3], m.block_pool.blocks[3], BlockPool(12).blocks[9]]),
+    ),
+    (
+        "freeing held blocks, then a non-block",
+        InvalidArgumentError,
+        "ordered_blocks must hold KVCacheBlock objects, got 7",
+        lambda m, r: m.block_pool.free_blocks([m.block_pool.blocks[5], m.block_pool.blocks[6], 7]),
+    ),
+    (
+        "caching a range whose last block is foreign",
+        BlockStateError,
+        "block 7 does not belong to this GPU pool",
+        lambda m, r: m.block_pool.cache_full_blocks(
+            _long(m), [*m.req_to_blocks["b"][:3], m.block_pool.blocks[8], BlockPool(12).blocks[7]], 3, 5, 2
+        ),
+    ),
+    (
+        "caching a range that lists a block twice",
+        BlockStateError,
+        "listed twice",
+        lambda m, r: m.block_pool.cache_full_blocks(
+            _long(m), [*m.req_to_blocks["b"][:3], m.block_pool.blocks[8], m.block_pool.blocks[8]], 3, 5, 2
+        ),
+    ),
+    (
+        "probing a prefix with a bool among the hashes",
+        InvalidArgumentError,
+        "an item of block_hashes must be bytes or an int, got True",
+        lambda m, r: m.block_pool.get_cached_prefix([r.block_hashes[0], True]),
     ),
     (
         "zero new tokens",

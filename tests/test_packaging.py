@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 
 def run(cmd, cwd, check=True):
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    unset = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "TIERED_KV_MYPYC")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if check and r.returncode != 0:
         raise AssertionError(f"{cmd} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
@@ -36,7 +37,7 @@ def run(cmd, cwd, check=True):
 def wheel(tmp_path_factory) -> Path:
     """Build from a copy of what the build reads, so the checkout gets no build/ or egg-info."""
     src = tmp_path_factory.mktemp("src")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
     shutil.copytree(ROOT / "tiered_kv", src / "tiered_kv", symlinks=True, ignore=ignore)
@@ -55,6 +56,7 @@ def test_the_wheel_carries_the_configs_the_code_and_py_typed(wheel):
     code = {str(p.relative_to(ROOT)) for p in (ROOT / "tiered_kv").rglob("*.py") if "configs" not in p.parts}
     assert code <= names
     assert "tiered_kv/py.typed" in names
+    assert not [n for n in names if n.endswith(".so")]  # compiling the core is opt-in (TIERED_KV_MYPYC=1)
     meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
     assert f"Version: {tiered_kv.__version__}" in text

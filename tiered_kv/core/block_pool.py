@@ -16,37 +16,40 @@ Names and behaviour follow ``vllm/v1/core/block_pool.py`` (see
   skip it, as vLLM does: hybrid and sliding-window block tables hold null
   blocks in place of blocks that fell out of the window, and pass them along.
 
-Every public method is all-or-nothing: it validates, then mutates.  Misuse
-raises a :class:`~tiered_kv.errors.TieredKVError` subclass and leaves the pool
-exactly as it was.
-
-The hot paths (``get_new_blocks``, ``touch``, ``free_blocks``,
-``cache_full_blocks``) are written as single flat loops with locals bound once
-and no per-block method calls or temporaries beyond the returned list; this is
-where the speed over vLLM's implementation comes from, together with the
-deque-based free queue.
+Every public method is all-or-nothing: misuse raises a
+:class:`~tiered_kv.errors.TieredKVError` subclass and leaves the pool exactly
+as it was.  The hot paths (``get_new_blocks``, ``touch``, ``free_blocks``,
+``cache_full_blocks``, ``get_cached_prefix``) make one pass over their blocks:
+each block is checked (``own[b.block_id] is b``, see :mod:`.pool_checks`) in the
+loop that changes it, and a bad one makes the call undo its loop before it
+raises.  Public methods take the arguments they check as ``object``: compiled
+with mypyc, a narrower annotation would be enforced at the call, with a bare
+``TypeError`` that names no argument, before the check could run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from itertools import islice
+from collections.abc import Callable
 
 from tiered_kv import checks
+from tiered_kv.core import pool_checks as pc
 from tiered_kv.core.block import BlockHash, KVCacheBlock
-from tiered_kv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from tiered_kv.core.compile_hints import mypyc_attr
+from tiered_kv.core.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
 from tiered_kv.core.free_queue import FreeBlockQueue
+from tiered_kv.core.pool_cache import CacheMap, cache_one, cache_range, check_state, num_cached_blocks, stored_event
 from tiered_kv.core.request import Request
-from tiered_kv.errors import BlockStateError, HashingError, InvalidArgumentError, NotEnoughFreeBlocksError
+from tiered_kv.errors import BlockStateError, InvalidArgumentError, NotEnoughFreeBlocksError
 
-MEDIA = ("GPU", "CPU")
+MEDIA = pc.MEDIA
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockPool:
     """A fixed set of blocks, a free queue in reuse order, and a prefix-cache map.
 
     Args:
-        num_blocks: Blocks in the pool, including the null block 0 (>= 2).
+        num_blocks: Blocks in the pool, including the null block 0 (an int >= 2).
         enable_caching: Prefix caching; off makes the pool a LIFO allocator.
         enable_kv_cache_events: Queue :mod:`tiered_kv.core.events` for ``take_events``.
         medium: ``"GPU"`` or ``"CPU"``; the tier this pool stands for.
@@ -59,44 +62,70 @@ class BlockPool:
 
     def __init__(
         self,
-        num_blocks: int,
-        enable_caching: bool = True,
-        enable_kv_cache_events: bool = False,
-        medium: str = "GPU",
+        num_blocks: object,
+        enable_caching: object = True,
+        enable_kv_cache_events: object = False,
+        medium: object = "GPU",
     ) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
-            raise InvalidArgumentError(
-                f"num_blocks must be an int >= 2 (block 0 is the null block), got {num_blocks!r}"
-            )
-        if medium not in MEDIA:
-            raise InvalidArgumentError(f"medium must be one of {MEDIA}, got {medium!r}")
-        checks.flag("enable_caching", enable_caching)
-        checks.flag("enable_kv_cache_events", enable_kv_cache_events)
-        self.num_gpu_blocks = num_blocks  # vLLM's name, kept for adapters
-        self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
-        self.medium = medium
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
+        n, caching, events, tier = pc.check_pool_args(num_blocks, enable_caching, enable_kv_cache_events, medium)
+        self.num_gpu_blocks: int = n  # vLLM's name, kept for adapters
+        self.num_blocks: int = n
+        self.enable_caching: bool = caching
+        self.medium: str = tier
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(n)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
-        # hash -> one block, or {block_id: block} in caching order when duplicated.
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock | dict[int, KVCacheBlock]] = {}
-        self.null_block = self.free_block_queue.popleft()
+        self.cached_block_hash_to_block: CacheMap = {}
+        self.null_block: KVCacheBlock = self.free_block_queue.popleft()
         self.null_block.is_null = True
-        self.enable_kv_cache_events = enable_kv_cache_events
+        self.enable_kv_cache_events: bool = events
         self.kv_event_queue: list[KVCacheEvent] = []
         # Called by get_new_blocks with (blocks, their old hashes) just evicted, after
-        # the blocks are handed out.  The tier manager uses it to offload-on-evict.
+        # the blocks are handed out; for a tier that saves what the GPU evicts.
         self.on_evict: Callable[[list[KVCacheBlock], list[BlockHash]], None] | None = None
 
     # ------------------------------------------------------------------ lookups
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """The first block cached under ``block_hash``, or ``None`` on a miss."""
-        if block_hash.__class__ is not bytes and block_hash.__class__ is not int:
-            raise InvalidArgumentError(f"block_hash must be bytes or an int, got {checks.describe(block_hash)}")
+    def get_cached_block(self, block_hash: object) -> KVCacheBlock | None:
+        """The first block cached under ``block_hash`` (bytes or an int), or ``None`` on a miss."""
+        if type(block_hash) is not bytes and type(block_hash) is not int:
+            raise pc.bad_hash("block_hash", block_hash)
         hit = self.cached_block_hash_to_block.get(block_hash)
-        if hit is None or hit.__class__ is KVCacheBlock:
-            return hit  # type: ignore[return-value]
-        return next(iter(hit.values()))  # type: ignore[union-attr]
+        if hit is None or isinstance(hit, KVCacheBlock):
+            return hit
+        return next(iter(hit.values()))
+
+    def get_cached_prefix(self, block_hashes: object, max_blocks: object = None) -> list[KVCacheBlock]:
+        """The blocks cached under ``block_hashes[0]``, ``[1]``, ... up to the first miss.
+
+        One call for a whole prefix probe (what a manager does on admission),
+        instead of one ``get_cached_block`` per block; each hit is the first
+        block cached under its hash, as ``get_cached_block`` returns.  Nothing
+        changes: the hits are not touched.
+
+        Args:
+            block_hashes: A list or tuple of chained block hashes (bytes or ints).
+                Items after the first miss are not examined.
+            max_blocks: Probe at most this many hashes (an int >= 0), or ``None``.
+        """
+        if type(block_hashes) is not list and type(block_hashes) is not tuple:
+            raise InvalidArgumentError(
+                f"block_hashes must be a list of block hashes, got {checks.describe(block_hashes)}"
+            )
+        if max_blocks is not None:
+            if type(max_blocks) is not int or max_blocks < 0:
+                raise pc.bad_count("max_blocks", max_blocks)
+            if max_blocks < len(block_hashes):
+                block_hashes = block_hashes[:max_blocks]
+        cmap = self.cached_block_hash_to_block
+        out: list[KVCacheBlock] = []
+        for h in block_hashes:
+            # Checked before the probe: True, 1.0 and NumPy integers would find int keys.
+            if type(h) is not bytes and type(h) is not int:
+                raise pc.bad_hash("an item of block_hashes", h)
+            hit = cmap.get(h)
+            if hit is None:
+                break
+            out.append(hit if isinstance(hit, KVCacheBlock) else next(iter(hit.values())))
+        return out
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -111,174 +140,167 @@ class BlockPool:
 
     def get_num_cached_blocks(self) -> int:
         """Blocks that carry a hash (held or free)."""
-        return sum(1 if v.__class__ is KVCacheBlock else len(v) for v in self.cached_block_hash_to_block.values())
+        return num_cached_blocks(self.cached_block_hash_to_block)
 
     # --------------------------------------------------------------- allocation
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take ``num_blocks`` blocks from the front, each with ``ref_cnt`` 1.
+    def get_new_blocks(self, num_blocks: object) -> list[KVCacheBlock]:
+        """Take ``num_blocks`` (an int >= 0) blocks from the front, each with ``ref_cnt`` 1.
 
         A block that still carries a hash loses it now (and a ``BlockRemoved``
         event is queued): this is the only place cached data is discarded.
+        One loop takes each block, skips the dead queue entries that ``touch``
+        leaves (see :mod:`.free_queue`), evicts and hands out.
 
         Raises:
             NotEnoughFreeBlocksError: more blocks than are free (nothing changes).
         """
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise pc.bad_count("num_blocks", num_blocks)
         fq = self.free_block_queue
-        if num_blocks.__class__ is not int or num_blocks < 0:
-            raise InvalidArgumentError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
         if num_blocks > fq.num_free_blocks:
             raise NotEnoughFreeBlocksError(
                 f"cannot get {num_blocks} free blocks from the {self.medium} pool: "
                 f"{fq.num_free_blocks} free of {self.num_blocks - 1}"
             )
-        if num_blocks == 1:
-            # The decode hot path, inlined (no method call), skipping the dead entries
-            # that touch leaves behind (lazy removal, see free_queue.py).
-            dq = fq._dq
-            block = dq.popleft()
-            while block.stale:
+        # Only a consumer (events, on_evict) needs the evicted blocks listed: they are the
+        # hashed ones among those about to be handed out, which peek names in order.
+        doomed: list[KVCacheBlock] | None = None
+        if self.enable_kv_cache_events or self.on_evict is not None:
+            doomed = [b for b in fq.peek(num_blocks) if b.block_hash is not None]
+            old_hashes = [b.block_hash for b in doomed]
+        fq.num_free_blocks -= num_blocks
+        pop = fq._dq.popleft
+        cmap = self.cached_block_hash_to_block
+        ret: list[KVCacheBlock] = []
+        skipped = 0
+        for _ in range(num_blocks):
+            block = pop()
+            while block.stale:  # a dead entry left by touch: drop it and take the next
                 block.stale -= 1
-                fq._num_stale -= 1
-                block = dq.popleft()
-            fq.num_free_blocks -= 1
-            ret = [block]
-        elif fq._num_stale:
-            ret = fq.popleft_n(num_blocks)
-        else:
-            # No dead entries: pop n in one C-level loop (iter(callable, sentinel) never
-            # reaches its sentinel because the deque holds blocks, not None).
-            fq.num_free_blocks -= num_blocks
-            ret = list(islice(iter(fq._dq.popleft, None), num_blocks))
-        if self.enable_caching:
-            cmap = self.cached_block_hash_to_block
-            removed: list[BlockHash] | None = None
-            evicted: list[KVCacheBlock] | None = None  # built only when something is evicted
-            for block in ret:
-                h = block.block_hash
-                if h is not None:
-                    entry = cmap[h]
-                    if entry is block:
+                skipped += 1
+                block = pop()
+            h = block.block_hash
+            if h is not None:
+                entry = cmap[h]
+                if entry is block:
+                    del cmap[h]
+                else:  # several blocks carry h
+                    assert isinstance(entry, dict), f"block {block.block_id} is not under its hash"
+                    del entry[block.block_id]
+                    if not entry:
                         del cmap[h]
-                    else:
-                        del entry[block.block_id]  # type: ignore[union-attr]
-                        if not entry:
-                            del cmap[h]
-                    block.block_hash = None
-                    if removed is None:
-                        removed = [h]
-                        evicted = [block]
-                    else:
-                        removed.append(h)
-                        evicted.append(block)  # type: ignore[union-attr]
-                block.ref_cnt = 1
-            if removed is not None:
-                if self.enable_kv_cache_events:
-                    self.kv_event_queue.append(BlockRemoved(removed, self.medium))
-                if self.on_evict is not None:
-                    self.on_evict(evicted, removed)  # type: ignore[arg-type]
-        else:
-            for block in ret:
-                block.ref_cnt = 1
+                block.block_hash = None
+            block.ref_cnt = 1
+            ret.append(block)
+        if skipped:
+            fq._num_stale -= skipped
+        if doomed:
+            removed = [h for h in old_hashes if h is not None]
+            if self.enable_kv_cache_events:
+                self.kv_event_queue.append(BlockRemoved(removed, self.medium))
+            if self.on_evict is not None:
+                self.on_evict(doomed, removed)
         return ret
 
-    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """A cache hit: add an owner to each block, pulling free ones out of the queue.
+    def touch(self, blocks: object) -> None:
+        """A cache hit: add an owner to each block (a list or tuple of this pool's blocks).
 
+        Free blocks leave the free queue (lazily: see :mod:`.free_queue`).
         Null blocks are skipped.
 
         Raises:
-            BlockStateError: a block of another pool was passed (nothing changes).
+            InvalidArgumentError / BlockStateError: an item is not a block of
+                this pool (nothing changes).
         """
-        blocks = self.check_own_blocks("blocks", blocks)
+        # Typed, so that compiled code reads each block's fields directly (and rejects a non-block).
+        items: list[KVCacheBlock] = blocks if type(blocks) is list else pc.as_block_list("blocks", blocks)
+        own = self.blocks
         null = self.null_block
         removed = 0
-        for block in blocks:
-            if block is null:
-                continue  # never owned, never in the free queue (vLLM skips it too)
-            if block.ref_cnt == 0:
-                block.stale += 1  # lazy removal from the free queue (see free_queue.py)
-                removed += 1
-            block.ref_cnt += 1
+        try:
+            for block in items:
+                if own[block.block_id] is not block:
+                    raise LookupError
+                if block is null:
+                    continue  # never owned, never in the free queue (vLLM skips it too)
+                if block.ref_cnt == 0:
+                    block.stale += 1  # lazy removal from the free queue
+                    removed += 1
+                block.ref_cnt += 1
+        except (AttributeError, TypeError, LookupError):
+            err = pc.undo_touch(items, own, null, self.medium)
+            if err is None:
+                raise
+            raise err from None
         if removed:
-            fq = self.free_block_queue
-            fq._num_stale += removed
-            fq.num_free_blocks -= removed
-            if fq._num_stale > 64 and fq._num_stale > fq.num_free_blocks:
-                fq._compact()
+            self.free_block_queue.note_removed(removed)
 
-    def check_own_blocks(self, name: str, blocks: object) -> list[KVCacheBlock] | tuple[KVCacheBlock, ...]:
-        """``blocks`` as a list or tuple, after checking that every item is a block of this pool (else raise).
+    def check_own_blocks(self, name: str, blocks: object) -> list[KVCacheBlock]:
+        """``blocks`` as a list, after checking that every item is a block of this pool (else raise).
 
-        A block of another pool has an id that may also exist here; accepting it
-        would change the other pool's ref counts and corrupt both, so it is
-        refused by identity, not by id.
+        A block of another pool is refused by identity, not by id (see :mod:`.pool_checks`).
         """
-        if blocks.__class__ is not list and blocks.__class__ is not tuple:
-            if isinstance(blocks, str | bytes) or not isinstance(blocks, Iterable):
-                raise InvalidArgumentError(f"{name} must be a sequence of KV blocks, got {checks.describe(blocks)}")
-            blocks = list(blocks)
-        own = self.blocks
-        n = len(own)
-        for b in blocks:  # type: ignore[union-attr]
-            if b.__class__ is not KVCacheBlock:
-                raise InvalidArgumentError(f"{name} must hold KVCacheBlock objects, got {checks.describe(b)}")
-            i = b.block_id
-            if i >= n or own[i] is not b:
-                raise BlockStateError(f"block {i} does not belong to this {self.medium} pool (a foreign block)")
-        return blocks  # type: ignore[return-value]
+        return pc.check_blocks(name, blocks, self.blocks, self.medium)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one owner from each block; blocks reaching zero return to the queue.
+    def free_blocks(self, ordered_blocks: object) -> None:
+        """Drop one owner from each block (an iterable of this pool's blocks).
 
-        Blocks without a hash go to the front, blocks with a hash to the back,
-        each group in the order given (pass a request's blocks last block first).
-        Null blocks are skipped.
+        Blocks reaching zero owners return to the queue: without a hash to the
+        front, with a hash to the back, each group in the order given (pass a
+        request's blocks last block first).  Null blocks are skipped.
 
         Raises:
             BlockStateError: a block would go below zero owners (double free) or
                 belongs to another pool; nothing changes.
         """
-        blocks = self.check_own_blocks("ordered_blocks", ordered_blocks)
+        blocks: list[KVCacheBlock] = (
+            ordered_blocks if type(ordered_blocks) is list else pc.as_block_list("ordered_blocks", ordered_blocks)
+        )
+        own = self.blocks
+        null = self.null_block
         to_front: list[KVCacheBlock] = []
         to_back: list[KVCacheBlock] = []
-        front = to_front.append
-        back = to_back.append if self.enable_caching else front
+        caching = self.enable_caching
         bad = False
-        null = self.null_block
-        for block in blocks:
-            if block is null:
-                continue  # skipped, as in vLLM: null blocks stand in for blocks outside a window
-            rc = block.ref_cnt - 1
-            block.ref_cnt = rc
-            if rc == 0:
-                if block.block_hash is None:
-                    front(block)
-                else:
-                    back(block)
-            elif rc < 0:
-                bad = True
-        if bad:
+        try:
             for block in blocks:
-                if block is not null:
-                    block.ref_cnt += 1
-            culprits = sorted({b.block_id for b in blocks if b is not null and blocks.count(b) > b.ref_cnt})
-            raise BlockStateError(f"double free in the {self.medium} pool: block(s) {culprits} have no owner left")
+                if own[block.block_id] is not block:
+                    raise LookupError
+                if block is null:
+                    continue  # skipped, as in vLLM: null blocks stand in for blocks outside a window
+                rc = block.ref_cnt - 1
+                block.ref_cnt = rc
+                if rc == 0:
+                    if block.block_hash is None or not caching:
+                        to_front.append(block)
+                    else:
+                        to_back.append(block)
+                elif rc < 0:
+                    bad = True
+        except (AttributeError, TypeError, LookupError):
+            err = pc.undo_free(blocks, own, null, self.medium)
+            if err is None:
+                raise
+            raise err from None
+        if bad:
+            raise pc.undo_double_free(blocks, null, self.medium)
         fq = self.free_block_queue
         if to_front:
             fq.prepend_n(to_front)
         if to_back:
             fq.append_n(to_back)
 
-    def peek_free_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def peek_free_blocks(self, num_blocks: object) -> list[KVCacheBlock]:
         """The blocks ``get_new_blocks(num_blocks)`` would hand out now (fewer if fewer are free).
 
         Nothing changes.  A tier manager looks here to save cached blocks to a
         lower tier before they reach the front and are evicted.
         """
-        checks.count("num_blocks", num_blocks)
+        if type(num_blocks) is not int or num_blocks < 0:
+            raise pc.bad_count("num_blocks", num_blocks)
         return self.free_block_queue.peek(num_blocks)
 
-    def release_in_place(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def release_in_place(self, blocks: object) -> None:
         """Drop one owner from each block; a block left with none is free again where it was.
 
         ``free_blocks`` re-queues a freed block by the caching rule (front
@@ -291,12 +313,12 @@ class BlockPool:
         Raises:
             BlockStateError: a block has no owner, is null or is foreign (nothing changes).
         """
-        blocks = self.check_own_blocks("blocks", blocks)
-        for b in blocks:
-            if b.is_null or b.ref_cnt - blocks.count(b) < 0:
+        items = self.check_own_blocks("blocks", blocks)
+        for b in items:
+            if b.is_null or b.ref_cnt - items.count(b) < 0:
                 raise BlockStateError(f"block {b.block_id} of the {self.medium} pool has no owner to release")
         fq = self.free_block_queue
-        for b in blocks:
+        for b in items:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 fq.restore(b)
@@ -304,151 +326,78 @@ class BlockPool:
     # ------------------------------------------------------------------ caching
     def cache_full_blocks(
         self,
-        request: Request,
-        blocks: Sequence[KVCacheBlock],
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        block_size: int,
+        request: object,
+        blocks: object,
+        num_cached_blocks: object,
+        num_full_blocks: object,
+        block_size: object,
     ) -> None:
         """Give ``blocks[num_cached_blocks:num_full_blocks]`` their hashes and cache them.
 
-        Hashes come from ``request.block_hashes``, which must already cover
-        every block being cached: a block is cached only when full with final
-        tokens.  A hash already in the map gets a second block (no de-dup).
-        As in vLLM, null blocks in the range are skipped, and so is a block
-        that already carries the very hash it would get (a block restored by
-        copy and then cached again by the request's own allocation).
+        Args:
+            request: The :class:`Request` whose ``block_hashes`` cover every
+                block being cached (a block is cached only when full with final
+                tokens).
+            blocks: The request's block table (a list or tuple of this pool's blocks).
+            num_cached_blocks: Blocks of the table already cached (an int >= 0).
+            num_full_blocks: Full blocks of the table after this call (an int).
+            block_size: Tokens per block (an int > 0), for the event's token ids.
+
+        A hash already in the map gets a second block (no de-dup).  As in vLLM,
+        null blocks in the range are skipped, and so is a block that already
+        carries the very hash it would get (a block restored by copy and then
+        cached again by the request's own allocation).
 
         Raises:
             HashingError: a block in range is not full / not hashed yet.
-            BlockStateError: a block in range carries a different hash, or
-                belongs to another pool (nothing changes).
+            BlockStateError: a block in range carries a different hash, is
+                listed twice, or belongs to another pool (nothing changes).
         """
         if (
-            num_cached_blocks.__class__ is not int
-            or num_full_blocks.__class__ is not int
-            or block_size.__class__ is not int
-            or block_size <= 0
+            type(num_cached_blocks) is int
+            and type(num_full_blocks) is int
+            and type(blocks) is list
+            and isinstance(request, Request)
+            and num_full_blocks == num_cached_blocks + 1
+            and 0 <= num_cached_blocks < len(blocks)
+            and num_cached_blocks < len(request.block_hashes)
+            and type(block_size) is int
+            and block_size > 0
+            and not self.enable_kv_cache_events
         ):
-            raise InvalidArgumentError(
-                "num_cached_blocks and num_full_blocks must be ints and block_size an int > 0, got "
-                f"{checks.describe(num_cached_blocks)}, {checks.describe(num_full_blocks)}, "
-                f"{checks.describe(block_size)}"
-            )
-        if not isinstance(request, Request):
-            raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
-        if blocks.__class__ is not list and blocks.__class__ is not tuple:
-            raise InvalidArgumentError(f"blocks must be a list of KV blocks, got {checks.describe(blocks)}")
-        if num_cached_blocks >= num_full_blocks:
-            if num_cached_blocks < 0 or num_full_blocks < 0:
-                raise InvalidArgumentError(f"negative block counts: {num_cached_blocks}, {num_full_blocks}")
-            return
-        hashes = request.block_hashes
-        if num_cached_blocks < 0 or num_full_blocks > len(blocks):
-            raise InvalidArgumentError(
-                f"cannot cache blocks [{num_cached_blocks}, {num_full_blocks}) of a table of {len(blocks)}"
-            )
-        if num_full_blocks > len(hashes):
-            raise HashingError(
-                f"request {request.request_id!r}: block {len(hashes)} is partial or not final "
-                f"({request.num_tokens} tokens, block size {block_size}); only full blocks are cached"
-            )
+            # One block, filled by a decode step: the common call, entered without the general
+            # path's calls.  Anything unusual about the block falls through to that path.
+            h = request.block_hashes[num_cached_blocks]
+            if cache_one(self.blocks, self.cached_block_hash_to_block, blocks[num_cached_blocks], h):
+                return
+        args = pc.check_cache_args(request, blocks, num_cached_blocks, num_full_blocks, block_size)
+        if args is None:
+            return  # nothing to cache
+        req, table, first, last, bs = args
         cmap = self.cached_block_hash_to_block
-        if num_full_blocks - num_cached_blocks == 1:
-            # Common case (a decode step filled one block): validated and inserted inline,
-            # without slices, zip or a call on this hot path.
-            block = blocks[num_cached_blocks]
-            h = hashes[num_cached_blocks]
-            if (
-                block.__class__ is not KVCacheBlock
-                or block.block_id >= self.num_blocks
-                or self.blocks[block.block_id] is not block
-            ):
-                self.check_own_blocks("blocks", [block])  # raises the precise error
-            if block.block_hash is not None or block.is_null:
-                if block.is_null or block.block_hash == h:
-                    return  # vLLM: null blocks and blocks already cached under this hash are skipped
-                raise BlockStateError(
-                    f"block {block.block_id} is already cached under another hash; cannot cache it again"
-                )
-            block.block_hash = h
-            entry = cmap.get(h)
-            if entry is None:
-                cmap[h] = block
-            elif entry.__class__ is KVCacheBlock:
-                cmap[h] = {entry.block_id: entry, block.block_id: block}  # type: ignore[union-attr]
-            else:
-                entry[block.block_id] = block  # type: ignore[index]
-            new_idx: range | list[int] = range(num_cached_blocks, num_full_blocks)
-        else:
-            span = self.check_own_blocks("blocks", blocks[num_cached_blocks:num_full_blocks])
-            new_idx = []
-            for i, block in enumerate(span, num_cached_blocks):
-                if block.is_null:
-                    continue
-                if block.block_hash is not None:
-                    if block.block_hash != hashes[i]:
-                        raise BlockStateError(
-                            f"block {block.block_id} is already cached under another hash; cannot cache it again"
-                        )
-                    continue
-                new_idx.append(i)
-            if len({id(blocks[i]) for i in new_idx}) != len(new_idx):
-                raise BlockStateError("a block is listed twice in the range to cache")
-            for i in new_idx:
-                block = blocks[i]
-                h = hashes[i]
-                block.block_hash = h
-                entry = cmap.get(h)
-                if entry is None:
-                    cmap[h] = block
-                elif entry.__class__ is KVCacheBlock:
-                    cmap[h] = {entry.block_id: entry, block.block_id: block}  # type: ignore[union-attr]
-                else:
-                    entry[block.block_id] = block  # type: ignore[index]
-        if self.enable_kv_cache_events and new_idx:
-            first, last = new_idx[0], new_idx[-1] + 1
-            self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=[hashes[i] for i in new_idx],
-                    parent_block_hash=hashes[first - 1] if first else None,
-                    token_ids=request.all_token_ids[first * block_size : last * block_size],
-                    block_size=block_size,
-                    lora_name=request.lora_name,
-                    medium=self.medium,
-                )
-            )
+        skipped = cache_range(self.blocks, cmap, table, req.block_hashes, first, last, self.medium)
+        if self.enable_kv_cache_events:
+            event = stored_event(req, table, first, last, bs, skipped, self.medium)
+            if event is not None:
+                self.kv_event_queue.append(event)
 
-    def cache_block_hashes(self, blocks: Sequence[KVCacheBlock], hashes: Sequence[BlockHash]) -> None:
+    def cache_block_hashes(self, blocks: object, hashes: object) -> None:
         """Register ``blocks[i]`` under ``hashes[i]`` (all-or-nothing; no event).
 
         The tier manager uses this to register blocks whose content landed by
         copy (swap-out, onboarding, offload) rather than by the request's own
         ``cache_full_blocks``.
         """
-        blocks = self.check_own_blocks("blocks", blocks)
-        if not isinstance(hashes, list | tuple):
-            raise InvalidArgumentError(f"hashes must be a list of block hashes, got {checks.describe(hashes)}")
-        for h in hashes:
-            if h.__class__ is not bytes and h.__class__ is not int:
-                raise InvalidArgumentError(f"a block hash must be bytes or an int, got {checks.describe(h)}")
-        if len(blocks) != len(hashes):
-            raise InvalidArgumentError(f"{len(blocks)} blocks but {len(hashes)} hashes")
-        for block in blocks:
+        items = self.check_own_blocks("blocks", blocks)
+        keys = pc.check_hashes("hashes", hashes)
+        if len(items) != len(keys):
+            raise InvalidArgumentError(f"{len(items)} blocks but {len(keys)} hashes")
+        for block in items:
             if block.block_hash is not None or block.is_null:
                 raise BlockStateError(f"block {block.block_id} is already cached or null; cannot cache it again")
-        if len({id(b) for b in blocks}) != len(blocks):
+        if len({id(b) for b in items}) != len(items):
             raise BlockStateError("a block is listed twice")
-        cmap = self.cached_block_hash_to_block
-        for block, h in zip(blocks, hashes, strict=True):
-            block.block_hash = h
-            entry = cmap.get(h)
-            if entry is None:
-                cmap[h] = block
-            elif entry.__class__ is KVCacheBlock:
-                cmap[h] = {entry.block_id: entry, block.block_id: block}  # type: ignore[union-attr]
-            else:
-                entry[block.block_id] = block  # type: ignore[index]
+        cache_range(self.blocks, self.cached_block_hash_to_block, items, keys, 0, len(items), self.medium)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every hash.  Refuses (returns ``False``, changes nothing) while any block is held."""
@@ -474,19 +423,4 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Assert the pool's invariants (O(num_blocks); for tests and debugging)."""
         free = self.free_block_queue.get_all_free_blocks()
-        free_ids = {b.block_id for b in free}
-        assert len(free_ids) == len(free) == self.get_num_free_blocks(), "a block is in the free queue twice"
-        assert 0 not in free_ids, "the null block is in the free queue"
-        for block in self.blocks[1:]:
-            assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
-            assert (block.ref_cnt == 0) == (block.block_id in free_ids), (
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} but free={block.block_id in free_ids}"
-            )
-            if block.block_hash is not None:
-                entry = self.cached_block_hash_to_block.get(block.block_hash)
-                assert entry is block or (isinstance(entry, dict) and entry.get(block.block_id) is block), (
-                    f"block {block.block_id} has a hash but is not in the cache map"
-                )
-        n_mapped = self.get_num_cached_blocks()
-        n_hashed = sum(b.block_hash is not None for b in self.blocks)
-        assert n_mapped == n_hashed, f"{n_mapped} blocks in the cache map but {n_hashed} carry a hash"
+        check_state(self.blocks, free, self.get_num_free_blocks(), self.cached_block_hash_to_block)

@@ -38,12 +38,12 @@ class FreeBlockQueue:
         num_free_blocks: Number of live entries (free blocks).
     """
 
-    __slots__ = ("_dq", "num_free_blocks", "_num_stale")
+    __slots__ = ("_dq", "_num_stale", "num_free_blocks")
 
     def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
         self._dq: deque[KVCacheBlock] = deque(blocks)
-        self.num_free_blocks = len(self._dq)
-        self._num_stale = 0
+        self.num_free_blocks: int = len(self._dq)
+        self._num_stale: int = 0
 
     def __len__(self) -> int:
         return self.num_free_blocks
@@ -129,8 +129,12 @@ class FreeBlockQueue:
     def remove(self, block: KVCacheBlock) -> None:
         """Remove a free block from wherever it is in the queue, in O(1) amortised."""
         block.stale += 1
-        self._num_stale += 1
-        self.num_free_blocks -= 1
+        self.note_removed(1)
+
+    def note_removed(self, n: int) -> None:
+        """Account for ``n`` blocks whose ``stale`` count the caller raised (a batched ``remove``)."""
+        self._num_stale += n
+        self.num_free_blocks -= n
         if self._num_stale > 64 and self._num_stale > self.num_free_blocks:
             self._compact()
 

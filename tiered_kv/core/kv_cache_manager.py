@@ -18,18 +18,20 @@ Block tables are append-only: an id, once in a table, is never replaced.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from itertools import islice
 
 from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
+from tiered_kv.core.block_hasher import BlockHasher
 from tiered_kv.core.block_pool import BlockPool
+from tiered_kv.core.compile_hints import mypyc_attr
 from tiered_kv.core.events import KVCacheEvent
-from tiered_kv.core.hashing import BlockHasher, HashFn
+from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.request import Request
 from tiered_kv.core.stats import PrefixCacheStats
 from tiered_kv.errors import InvalidArgumentError
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KVCacheManager:
     """Block tables for requests over one pool.
 
@@ -46,58 +48,52 @@ class KVCacheManager:
 
     def __init__(
         self,
-        num_blocks: int | None = None,
-        block_size: int = 16,
+        num_blocks: object = None,
+        block_size: object = 16,
         *,
-        enable_caching: bool = True,
+        enable_caching: object = True,
         hash_fn: str | HashFn = "sha256",
-        hash_seed: int = 0,
-        enable_kv_cache_events: bool = False,
-        block_pool: BlockPool | None = None,
-        medium: str = "GPU",
-        log_stats: bool = True,
-        max_model_len: int | None = None,
+        hash_seed: object = 0,
+        enable_kv_cache_events: object = False,
+        block_pool: object = None,
+        medium: object = "GPU",
+        log_stats: object = True,
+        max_model_len: object = None,
     ) -> None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        if type(block_size) is not int or block_size <= 0:
             raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
-        checks.count("hash_seed", hash_seed)
-        checks.flag("log_stats", log_stats)
-        if max_model_len is not None:
-            checks.count("max_model_len", max_model_len, 1)
+        seed = checks.count("hash_seed", hash_seed)
+        if type(log_stats) is not bool:
+            raise InvalidArgumentError(f"log_stats must be True or False, got {checks.describe(log_stats)}")
+        if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
+            raise InvalidArgumentError(f"max_model_len must be an int > 0, got {checks.describe(max_model_len)}")
         if block_pool is None:
             if num_blocks is None:
                 raise InvalidArgumentError("give num_blocks or block_pool")
             block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
         elif not isinstance(block_pool, BlockPool):
             raise InvalidArgumentError(f"block_pool must be a BlockPool, got {checks.describe(block_pool)}")
-        self.block_pool = block_pool
-        self.block_size = block_size
-        self.enable_caching = block_pool.enable_caching
-        self.hasher = BlockHasher.create(block_size, hash_fn, hash_seed)
-        self.log_stats = log_stats
+        self.block_pool: BlockPool = block_pool
+        self.block_size: int = block_size
+        self.enable_caching: bool = block_pool.enable_caching
+        self.hasher: BlockHasher = BlockHasher.create(block_size, hash_fn, seed)
+        self.log_stats: bool = log_stats
         self.prefix_cache_stats = PrefixCacheStats()
-        self.max_model_len = max_model_len
+        self.max_model_len: int | None = max_model_len
         self.req_to_blocks: dict[Hashable, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[Hashable, int] = {}
 
     # ------------------------------------------------------------------ lookup
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of ``request``: (blocks, tokens).  Does not touch."""
+    def get_computed_blocks(self, request: object) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of ``request`` (a :class:`Request`): (blocks, tokens).  Does not touch."""
         if not isinstance(request, Request):
             raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
         if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         hashes = self.hasher.update(request)
         # Cap: the last prompt token must be recomputed to produce logits.
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        cmap = self.block_pool.cached_block_hash_to_block
-        computed: list[KVCacheBlock] = []
-        append = computed.append
-        for h in islice(hashes, max_blocks):
-            hit = cmap.get(h)
-            if hit is None:
-                break
-            append(hit if hit.__class__ is KVCacheBlock else next(iter(hit.values())))  # type: ignore[union-attr]
+        max_blocks = (len(request.all_token_ids) - 1) // self.block_size
+        computed = self.block_pool.get_cached_prefix(hashes, max_blocks)
         num_tokens = len(computed) * self.block_size
         if self.log_stats:
             self.prefix_cache_stats.record(request.num_tokens, num_tokens, request.num_preemptions > 0)
@@ -106,52 +102,52 @@ class KVCacheManager:
     # -------------------------------------------------------------- allocation
     def num_blocks_to_allocate(
         self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
-        num_lookahead_tokens: int = 0,
+        request: object,
+        num_new_tokens: object,
+        num_new_computed_tokens: object = 0,
+        new_computed_blocks: object = None,
+        num_lookahead_tokens: object = 0,
     ) -> int:
         """Free blocks ``allocate_slots`` would consume (new blocks plus evictable hits)."""
-        self._check_allocation(
+        req, n_tok, n_comp, computed, n_ahead, _ = self._check_allocation(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens, False
         )
-        have = self.req_to_blocks.get(request.request_id)
+        have = self.req_to_blocks.get(req.request_id)
         n_have = len(have) if have is not None else 0
-        computed = new_computed_blocks or ()
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens + num_lookahead_tokens
+        hits = computed if computed is not None else []
+        total = req.num_computed_tokens + n_comp + n_tok + n_ahead
         if self.max_model_len is not None:
             total = min(total, self.max_model_len)
-        needed = -(-total // self.block_size) - n_have - len(computed)
-        evictable = sum(1 for b in computed if b.ref_cnt == 0)
+        needed = -(-total // self.block_size) - n_have - len(hits)
+        evictable = sum(1 for b in hits if b.ref_cnt == 0)
         return max(needed, 0) + evictable
 
     def allocate_slots(
         self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
-        num_lookahead_tokens: int = 0,
-        delay_cache_blocks: bool = False,
+        request: object,
+        num_new_tokens: object,
+        num_new_computed_tokens: object = 0,
+        new_computed_blocks: object = None,
+        num_lookahead_tokens: object = 0,
+        delay_cache_blocks: object = False,
         *,
-        num_external_computed_tokens: int = 0,
+        num_external_computed_tokens: object = 0,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` (+ lookahead) more tokens of ``request``.
 
         Args:
-            request: The request; ``request.num_computed_tokens`` is its progress.
-            num_new_tokens: Tokens to compute this step (> 0).
-            num_new_computed_tokens: Tokens covered by ``new_computed_blocks``.
-            new_computed_blocks: Prefix hits from ``get_computed_blocks`` (first
-                allocation only); touched here, once the allocation is known to fit.
-            num_lookahead_tokens: Speculative slots: allocated, never cached.
+            request: The :class:`Request`; ``request.num_computed_tokens`` is its progress.
+            num_new_tokens: Tokens to compute this step (an int > 0).
+            num_new_computed_tokens: Tokens covered by ``new_computed_blocks`` (an int >= 0).
+            new_computed_blocks: Prefix hits from ``get_computed_blocks`` (a list;
+                first allocation only); touched here, once the allocation is known to fit.
+            num_lookahead_tokens: Speculative slots (an int >= 0): allocated, never cached.
             delay_cache_blocks: Skip caching this step (e.g. KV still arriving).
             num_external_computed_tokens: Tokens after the prefix hits whose KV
-                another tier will copy into the new blocks (first allocation
-                only; included in ``num_new_tokens``, as in vLLM).  Their
-                blocks are not written yet, so nothing is cached by this call;
-                call :meth:`cache_blocks` once the copy has landed.
+                another tier will copy into the new blocks (an int >= 0; first
+                allocation only; included in ``num_new_tokens``, as in vLLM).
+                Their blocks are not written yet, so nothing is cached by this
+                call; call :meth:`cache_blocks` once the copy has landed.
 
         Returns:
             The newly allocated blocks (possibly empty), or ``None`` when they do
@@ -165,15 +161,15 @@ class KVCacheManager:
         if (
             new_computed_blocks is None
             and req_blocks is not None
-            and num_lookahead_tokens.__class__ is int
-            and num_lookahead_tokens == 0
-            and num_new_computed_tokens.__class__ is int
-            and num_new_computed_tokens == 0
-            and delay_cache_blocks.__class__ is bool
-            and num_external_computed_tokens.__class__ is int
-            and num_external_computed_tokens == 0
-            and num_new_tokens.__class__ is int
+            and type(num_new_tokens) is int
             and num_new_tokens > 0
+            and type(num_lookahead_tokens) is int
+            and num_lookahead_tokens == 0
+            and type(num_new_computed_tokens) is int
+            and num_new_computed_tokens == 0
+            and type(num_external_computed_tokens) is int
+            and num_external_computed_tokens == 0
+            and type(delay_cache_blocks) is bool
             and self.max_model_len is None
         ):
             # Fast path, the common decode/chunked-prefill step of a running request.
@@ -193,35 +189,51 @@ class KVCacheManager:
                     self.cache_blocks(request, total if total < n_tok else n_tok)
             return new_blocks
 
-        self._check_allocation(
+        return self._allocate_general(
             request,
-            num_new_tokens,
-            num_new_computed_tokens,
-            new_computed_blocks,
-            num_lookahead_tokens,
-            delay_cache_blocks,
+            req_blocks,
+            self._check_allocation(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+                delay_cache_blocks,
+            ),
+            checks.count("num_external_computed_tokens", num_external_computed_tokens),
         )
-        checks.count("num_external_computed_tokens", num_external_computed_tokens)
-        if num_external_computed_tokens:
+
+    def _allocate_general(
+        self,
+        request: Request,
+        req_blocks: list[KVCacheBlock] | None,
+        args: tuple[Request, int, int, list[KVCacheBlock] | None, int, bool],
+        n_ext: int,
+    ) -> list[KVCacheBlock] | None:
+        """``allocate_slots`` for every case but a running request's plain step, arguments checked."""
+        _, n_tokens, n_comp, hits, n_ahead, delay = args
+        rid = request.request_id
+        bs = self.block_size
+        if n_ext:
             if req_blocks:
                 raise InvalidArgumentError(f"request {rid!r}: external KV can only arrive with the first allocation")
-            if num_external_computed_tokens > num_new_tokens:
+            if n_ext > n_tokens:
                 raise InvalidArgumentError(
-                    f"request {rid!r}: num_external_computed_tokens {num_external_computed_tokens} exceeds "
-                    f"num_new_tokens {num_new_tokens}, which includes them"
+                    f"request {rid!r}: num_external_computed_tokens {n_ext} exceeds "
+                    f"num_new_tokens {n_tokens}, which includes them"
                 )
-            delay_cache_blocks = True  # their blocks are written by a copy that has not landed
-        computed = new_computed_blocks or []
+            delay = True  # their blocks are written by a copy that has not landed
+        computed = hits if hits is not None else []
         if computed:
             if req_blocks:
                 raise InvalidArgumentError(f"request {rid!r}: prefix hits can only be added on first allocation")
-            if num_new_computed_tokens != len(computed) * bs:
+            if n_comp != len(computed) * bs:
                 raise InvalidArgumentError(
                     f"request {rid!r}: {len(computed)} computed blocks cover {len(computed) * bs} tokens, "
-                    f"not num_new_computed_tokens={num_new_computed_tokens}"
+                    f"not num_new_computed_tokens={n_comp}"
                 )
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        total = num_computed + num_new_tokens + num_lookahead_tokens
+        num_computed = request.num_computed_tokens + n_comp
+        total = num_computed + n_tokens + n_ahead
         if self.max_model_len is not None:
             total = min(total, self.max_model_len)
         n_have = (len(req_blocks) if req_blocks is not None else 0) + len(computed)
@@ -245,11 +257,11 @@ class KVCacheManager:
         if new_blocks:
             req_blocks.extend(new_blocks)
 
-        if self.enable_caching and not delay_cache_blocks:
-            n_tokens = num_computed + num_new_tokens
-            if n_tokens > request.num_tokens:
-                n_tokens = request.num_tokens  # never cache lookahead/draft slots
-            self.cache_blocks(request, n_tokens)
+        if self.enable_caching and not delay:
+            n_cache = num_computed + n_tokens
+            if n_cache > len(request.all_token_ids):
+                n_cache = len(request.all_token_ids)  # never cache lookahead/draft slots
+            self.cache_blocks(request, n_cache)
         return new_blocks
 
     def _check_allocation(
@@ -260,37 +272,39 @@ class KVCacheManager:
         new_computed_blocks: object,
         num_lookahead_tokens: object,
         delay_cache_blocks: object,
-    ) -> None:
-        """Every argument of an allocation, checked before anything is touched or installed."""
+    ) -> tuple[Request, int, int, list[KVCacheBlock] | None, int, bool]:
+        """Every argument of an allocation, checked before anything is touched or installed; returned typed."""
         if not isinstance(request, Request):
             raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
-        checks.count("num_new_tokens", num_new_tokens, 1)
-        checks.count("num_new_computed_tokens", num_new_computed_tokens)
-        checks.count("num_lookahead_tokens", num_lookahead_tokens)
-        checks.flag("delay_cache_blocks", delay_cache_blocks)
+        n_tokens = checks.count("num_new_tokens", num_new_tokens, 1)
+        n_comp = checks.count("num_new_computed_tokens", num_new_computed_tokens)
+        n_ahead = checks.count("num_lookahead_tokens", num_lookahead_tokens)
+        delay = checks.flag("delay_cache_blocks", delay_cache_blocks)
+        hits: list[KVCacheBlock] | None = None
         if new_computed_blocks is not None:
-            if new_computed_blocks.__class__ is not list:
+            if type(new_computed_blocks) is not list:
                 raise InvalidArgumentError(
                     f"new_computed_blocks must be a list of blocks or None, got {checks.describe(new_computed_blocks)}"
                 )
-            self.block_pool.check_own_blocks("new_computed_blocks", new_computed_blocks)
+            hits = self.block_pool.check_own_blocks("new_computed_blocks", new_computed_blocks)
+        return request, n_tokens, n_comp, hits, n_ahead, delay
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: object, num_computed_tokens: object) -> None:
         """Cache every full block of ``request`` within its first ``num_computed_tokens`` tokens.
 
         A no-op with prefix caching off: nothing is hashed or cached then.
         """
         if not isinstance(request, Request):
             raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
-        checks.count("num_computed_tokens", num_computed_tokens)
-        if num_computed_tokens > request.num_tokens:
+        n_tokens = checks.count("num_computed_tokens", num_computed_tokens)
+        if n_tokens > len(request.all_token_ids):
             raise InvalidArgumentError(
-                f"request {request.request_id!r}: cannot cache {num_computed_tokens} tokens of {request.num_tokens}"
+                f"request {request.request_id!r}: cannot cache {n_tokens} tokens of {request.num_tokens}"
             )
         if not self.enable_caching:
             return
         rid = request.request_id
-        num_full = num_computed_tokens // self.block_size
+        num_full = n_tokens // self.block_size
         n_cached = self.num_cached_block.get(rid, 0)
         if num_full <= n_cached:
             return
@@ -299,9 +313,7 @@ class KVCacheManager:
         self.block_pool.cache_full_blocks(request, self.req_to_blocks[rid], n_cached, num_full, self.block_size)
         self.num_cached_block[rid] = num_full
 
-    def restore(
-        self, request: Request, computed_blocks: list[KVCacheBlock], num_tokens: int
-    ) -> list[KVCacheBlock] | None:
+    def restore(self, request: object, computed_blocks: object, num_tokens: object) -> list[KVCacheBlock] | None:
         """Give a request that holds no blocks a table for ``num_tokens`` tokens of KV it already has elsewhere.
 
         A swapped-out request coming back: ``computed_blocks`` are the prefix
@@ -317,34 +329,34 @@ class KVCacheManager:
         """
         if not isinstance(request, Request):
             raise InvalidArgumentError(f"request must be a Request, got {checks.describe(request)}")
-        if computed_blocks.__class__ is not list:
+        if type(computed_blocks) is not list:
             raise InvalidArgumentError(
                 f"computed_blocks must be a list of blocks, got {checks.describe(computed_blocks)}"
             )
-        self.block_pool.check_own_blocks("computed_blocks", computed_blocks)
-        checks.count("num_tokens", num_tokens, 1)
+        hits = self.block_pool.check_own_blocks("computed_blocks", computed_blocks)
+        n_tokens = checks.count("num_tokens", num_tokens, 1)
         rid = request.request_id
         bs = self.block_size
         if self.req_to_blocks.get(rid):
             raise InvalidArgumentError(f"request {rid!r} already holds blocks; restore only a request that holds none")
-        if len(computed_blocks) * bs > num_tokens or num_tokens > request.num_tokens:
+        if len(hits) * bs > n_tokens or n_tokens > len(request.all_token_ids):
             raise InvalidArgumentError(
-                f"request {rid!r}: {len(computed_blocks)} cached blocks and {num_tokens} tokens do not fit "
+                f"request {rid!r}: {len(hits)} cached blocks and {n_tokens} tokens do not fit "
                 f"a request of {request.num_tokens} tokens"
             )
-        if any(b.block_hash is None for b in computed_blocks):
+        if any(b.block_hash is None for b in hits):
             raise InvalidArgumentError(f"request {rid!r}: computed_blocks must be cached prefix hits")
-        n_new = -(-num_tokens // bs) - len(computed_blocks)
+        n_new = -(-n_tokens // bs) - len(hits)
         pool = self.block_pool
-        if n_new + sum(1 for b in computed_blocks if b.ref_cnt == 0) > pool.free_block_queue.num_free_blocks:
+        if n_new + sum(1 for b in hits if b.ref_cnt == 0) > pool.free_block_queue.num_free_blocks:
             return None
-        pool.touch(computed_blocks)
+        pool.touch(hits)
         new_blocks = pool.get_new_blocks(n_new) if n_new else []
-        self.req_to_blocks[rid] = [*computed_blocks, *new_blocks]
-        self.num_cached_block[rid] = len(computed_blocks)
+        self.req_to_blocks[rid] = [*hits, *new_blocks]
+        self.num_cached_block[rid] = len(hits)
         return new_blocks
 
-    def free(self, request: Request) -> None:
+    def free(self, request: object) -> None:
         """Release the request's blocks, last block first.
 
         A request with no blocks (never allocated, or already freed) is a no-op,

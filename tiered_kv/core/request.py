@@ -23,10 +23,15 @@ class MultiModalFeature:
 _INT = frozenset({int})
 
 
-def _check_tokens(request_id: Hashable, tokens: Sequence[int]) -> None:
+def _check_tokens(request_id: Hashable, tokens: Sequence[object]) -> None:
+    # Items typed ``object``: compiled, an ``int`` item type would be enforced before the check.
     if not set(map(type, tokens)) <= _INT:  # one C-level pass (bools are refused too: their type is bool)
-        bad = next(t for t in tokens if t.__class__ is not int)
+        bad = next(t for t in tokens if type(t) is not int)
         raise InvalidArgumentError(f"request {request_id!r}: token ids must be ints, got {checks.describe(bad)}")
+
+
+def _items(values: Iterable[object]) -> tuple[object, ...]:
+    return tuple(values)
 
 
 class Request:
@@ -61,15 +66,15 @@ class Request:
     def __init__(
         self,
         request_id: Hashable,
-        prompt_token_ids: Sequence[int],
-        max_tokens: int = 16,
+        prompt_token_ids: object,
+        max_tokens: object = 16,
         *,
-        lora_name: str | None = None,
+        lora_name: object = None,
         mm_features: Iterable[MultiModalFeature] = (),
-        cache_salt: str | None = None,
-        arrival_time: float = 0.0,
-        skip_prefix_cache: bool = False,
-        priority: int = 0,
+        cache_salt: object = None,
+        arrival_time: object = 0.0,
+        skip_prefix_cache: object = False,
+        priority: object = 0,
     ) -> None:
         checks.hashable("request_id", request_id)
         if isinstance(prompt_token_ids, str | bytes) or not isinstance(prompt_token_ids, Sequence):
@@ -80,39 +85,44 @@ class Request:
         if len(prompt_token_ids) == 0:
             raise InvalidArgumentError(f"request {request_id!r}: the prompt must have at least one token")
         _check_tokens(request_id, prompt_token_ids)
-        if max_tokens.__class__ is not int or max_tokens < 0:
+        if type(max_tokens) is not int or max_tokens < 0:
             raise InvalidArgumentError(
                 f"request {request_id!r}: max_tokens must be an int >= 0, got {checks.describe(max_tokens)}"
             )
-        for name, value in (("lora_name", lora_name), ("cache_salt", cache_salt)):
-            if value is not None and value.__class__ is not str:
-                raise InvalidArgumentError(f"request {request_id!r}: {name} must be a str or None, got {value!r}")
-        if arrival_time.__class__ not in (int, float) or not math.isfinite(arrival_time):
+        if lora_name is not None and type(lora_name) is not str:
+            raise InvalidArgumentError(f"request {request_id!r}: lora_name must be a str or None, got {lora_name!r}")
+        if cache_salt is not None and type(cache_salt) is not str:
+            raise InvalidArgumentError(f"request {request_id!r}: cache_salt must be a str or None, got {cache_salt!r}")
+        if (type(arrival_time) is not int and type(arrival_time) is not float) or not math.isfinite(arrival_time):
             raise InvalidArgumentError(
                 f"request {request_id!r}: arrival_time must be a finite number, got {checks.describe(arrival_time)}"
             )
-        checks.flag("skip_prefix_cache", skip_prefix_cache)
-        if priority.__class__ is not int:
+        if type(skip_prefix_cache) is not bool:
+            raise InvalidArgumentError(
+                f"skip_prefix_cache must be True or False, got {checks.describe(skip_prefix_cache)}"
+            )
+        if type(priority) is not int:
             raise InvalidArgumentError(
                 f"request {request_id!r}: priority must be an int, got {checks.describe(priority)}"
             )
-        mm_features = tuple(mm_features)
-        for mm in mm_features:
+        features: list[MultiModalFeature] = []
+        for mm in _items(mm_features):
             if not isinstance(mm, MultiModalFeature):
                 raise InvalidArgumentError(f"request {request_id!r}: mm_features must hold MultiModalFeature records")
-        self.request_id = request_id
+            features.append(mm)
+        self.request_id: Hashable = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.all_token_ids)
-        self.max_tokens = max_tokens
-        self.num_computed_tokens = 0
+        self.num_prompt_tokens: int = len(self.all_token_ids)
+        self.max_tokens: int = max_tokens
+        self.num_computed_tokens: int = 0
         self.block_hashes: list[BlockHash] = []
-        self.num_preemptions = 0
-        self.lora_name = lora_name
-        self.mm_features: tuple[MultiModalFeature, ...] = tuple(mm_features)
-        self.cache_salt = cache_salt
-        self.arrival_time = arrival_time
-        self.skip_prefix_cache = skip_prefix_cache
-        self.priority = priority  # vLLM's meaning: a lower value is served first, preempted last
+        self.num_preemptions: int = 0
+        self.lora_name: str | None = lora_name
+        self.mm_features: tuple[MultiModalFeature, ...] = tuple(features)
+        self.cache_salt: str | None = cache_salt
+        self.arrival_time: float = arrival_time
+        self.skip_prefix_cache: bool = skip_prefix_cache
+        self.priority: int = priority  # vLLM's meaning: a lower value is served first, preempted last
 
     @property
     def num_tokens(self) -> int:
@@ -135,10 +145,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.num_output_tokens >= self.max_tokens
 
-    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+    def append_output_token_ids(self, token_ids: object) -> None:
         """Append sampled (final) tokens (an int, or a sequence of ints)."""
-        if token_ids.__class__ is int:
-            self.all_token_ids.append(token_ids)  # type: ignore[arg-type]
+        if type(token_ids) is int:
+            self.all_token_ids.append(token_ids)
             return
         if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
             raise InvalidArgumentError(

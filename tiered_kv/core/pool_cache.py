@@ -1,0 +1,199 @@
+"""Entering blocks in the pool's prefix-cache map, and taking them out again.
+
+The map (``BlockPool.cached_block_hash_to_block``) sends a hash to its one
+block, or to ``{block_id: block}`` in caching order when several blocks carry
+the same hash: blocks are never de-duplicated, because block tables only grow
+(vLLM's ``BlockHashToBlockMap`` keeps the same shape, which spares a dict per
+hash in the common case).  A lookup returns the first block of an entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tiered_kv.core import pool_checks as pc
+from tiered_kv.core.block import BlockHash, KVCacheBlock
+from tiered_kv.core.events import BlockStored
+from tiered_kv.core.request import Request
+from tiered_kv.errors import BlockStateError, TieredKVError
+
+CacheMap = dict[BlockHash, "KVCacheBlock | dict[int, KVCacheBlock]"]
+
+
+def cache_range(
+    own: list[KVCacheBlock],
+    cmap: CacheMap,
+    blocks: Sequence[KVCacheBlock],
+    hashes: Sequence[BlockHash],
+    first: int,
+    last: int,
+    medium: str,
+) -> list[int] | None:
+    """Cache ``blocks[i]`` under ``hashes[i]`` for ``first <= i < last``, in one pass; all-or-nothing.
+
+    Each block is checked in the loop that caches it; on a bad one the blocks
+    already entered are taken out again before the error is raised.  Null
+    blocks are skipped, and so is a block already carrying the very hash it
+    would get (vLLM skips both).
+
+    Returns:
+        The indices skipped because their block already carried its hash
+        (``None`` for none: the common case allocates no list).
+
+    Raises:
+        BlockStateError / InvalidArgumentError: a block is foreign or not a
+            block, already carries another hash, or is listed twice.
+    """
+    skipped: list[int] | None = None
+    i = first
+    try:
+        for i in range(first, last):
+            block = blocks[i]
+            if own[block.block_id] is not block:
+                raise LookupError
+            h = hashes[i]
+            bh = block.block_hash
+            if bh is None:
+                if block.is_null:
+                    continue
+                block.block_hash = h
+                entry = cmap.get(h)
+                if entry is None:
+                    cmap[h] = block
+                elif isinstance(entry, KVCacheBlock):
+                    cmap[h] = {entry.block_id: entry, block.block_id: block}
+                else:
+                    entry[block.block_id] = block
+            elif bh == h and not _listed_in(blocks, first, i, block):
+                if skipped is None:  # restored by copy, then cached again by its request
+                    skipped = []
+                skipped.append(i)
+            else:
+                raise LookupError
+    except (AttributeError, TypeError, LookupError):
+        for j in range(first, i):
+            block = blocks[j]
+            if block.block_hash is not None and (skipped is None or j not in skipped):
+                uncache(cmap, block)
+        err = _range_error(blocks, hashes, first, i, own, medium)
+        if err is None:
+            raise
+        raise err from None
+    return skipped
+
+
+def cache_one(own: list[KVCacheBlock], cmap: CacheMap, block: object, h: BlockHash) -> bool:
+    """Cache one unhashed block of this pool under ``h``; ``False`` (nothing done) for any other block.
+
+    The decode step's call, kept apart from ``cache_range``'s loop: one block
+    needs no undo, and a block this does not take (foreign, null, already
+    hashed, not a block) goes to ``cache_range``, which takes it or says why not.
+    """
+    if not isinstance(block, KVCacheBlock) or block.block_hash is not None or block.is_null:
+        return False
+    i = block.block_id
+    if i >= len(own) or own[i] is not block:
+        return False
+    block.block_hash = h
+    entry = cmap.get(h)
+    if entry is None:
+        cmap[h] = block
+    elif isinstance(entry, KVCacheBlock):
+        cmap[h] = {entry.block_id: entry, i: block}
+    else:
+        entry[i] = block
+    return True
+
+
+def _listed_in(blocks: Sequence[KVCacheBlock], first: int, end: int, block: KVCacheBlock) -> bool:
+    for j in range(first, end):
+        if blocks[j] is block:
+            return True
+    return False
+
+
+def _range_error(
+    blocks: Sequence[KVCacheBlock],
+    hashes: Sequence[BlockHash],
+    first: int,
+    i: int,
+    own: list[KVCacheBlock],
+    medium: str,
+) -> TieredKVError | None:
+    """Why ``blocks[i]`` could not be cached (``None``: nothing wrong with it)."""
+    block: object = blocks[i]
+    if not pc.is_own(block, own):
+        return pc.block_error("blocks", block, own, medium)
+    assert isinstance(block, KVCacheBlock)
+    if _listed_in(blocks, first, i, block):
+        return BlockStateError("a block is listed twice in the range to cache")
+    if block.block_hash is not None and block.block_hash != hashes[i]:
+        return BlockStateError(f"block {block.block_id} is already cached under another hash; cannot cache it again")
+    return None
+
+
+def uncache(cmap: CacheMap, block: KVCacheBlock) -> BlockHash:
+    """Take ``block`` out of the map and clear its hash; return the hash it had."""
+    h = block.block_hash
+    assert h is not None, f"block {block.block_id} is not cached"
+    entry = cmap[h]
+    if entry is block:
+        del cmap[h]
+    else:
+        assert isinstance(entry, dict), f"block {block.block_id} is not under its hash"
+        del entry[block.block_id]
+        if not entry:
+            del cmap[h]
+    block.block_hash = None
+    return h
+
+
+def stored_event(
+    request: Request,
+    blocks: Sequence[KVCacheBlock],
+    first: int,
+    last: int,
+    block_size: int,
+    skipped: list[int] | None,
+    medium: str,
+) -> BlockStored | None:
+    """The ``BlockStored`` event of a ``cache_range`` call (``None`` if it cached nothing)."""
+    new_idx = [i for i in range(first, last) if not blocks[i].is_null and (skipped is None or i not in skipped)]
+    if not new_idx:
+        return None
+    hashes = request.block_hashes
+    start, end = new_idx[0], new_idx[-1] + 1
+    return BlockStored(
+        block_hashes=[hashes[i] for i in new_idx],
+        parent_block_hash=hashes[start - 1] if start else None,
+        token_ids=request.all_token_ids[start * block_size : end * block_size],
+        block_size=block_size,
+        lora_name=request.lora_name,
+        medium=medium,
+    )
+
+
+def num_cached_blocks(cmap: CacheMap) -> int:
+    """Blocks in the map (a hash may count several)."""
+    return sum(1 if isinstance(v, KVCacheBlock) else len(v) for v in cmap.values())
+
+
+def check_state(blocks: list[KVCacheBlock], free: list[KVCacheBlock], num_free: int, cmap: CacheMap) -> None:
+    """Assert a pool's invariants: free queue, ref counts and map agree (O(blocks); for tests)."""
+    free_ids = {b.block_id for b in free}
+    assert len(free_ids) == len(free) == num_free, "a block is in the free queue twice"
+    assert 0 not in free_ids, "the null block is in the free queue"
+    for block in blocks[1:]:
+        assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
+        assert (block.ref_cnt == 0) == (block.block_id in free_ids), (
+            f"block {block.block_id}: ref_cnt {block.ref_cnt} but free={block.block_id in free_ids}"
+        )
+    for block in blocks:
+        if block.block_hash is not None:
+            entry = cmap.get(block.block_hash)
+            assert entry is block or (isinstance(entry, dict) and entry.get(block.block_id) is block), (
+                f"block {block.block_id} has a hash but is not in the cache map"
+            )
+    n_mapped = num_cached_blocks(cmap)
+    n_hashed = sum(b.block_hash is not None for b in blocks)
+    assert n_mapped == n_hashed, f"{n_mapped} blocks in the cache map but {n_hashed} carry a hash"
