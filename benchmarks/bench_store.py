@@ -380,13 +380,18 @@ def _same_resident(m: VCPUStoreManager, s: CPUStore, sp: CPUStore, n: int) -> No
 
 
 # -------------------------------------------------------------------- timing
+def run(calls: list[Call]) -> None:
+    """Issue every call, in order."""
+    for _, fn, args in calls:
+        fn(*args)
+
+
 def replay(calls: list[Call]) -> float:
     """Seconds to issue every call, in order."""
     gc.collect()
     gc.freeze()  # the trace's own objects are old: keep collections to what the stores allocate
     t0 = time.perf_counter()
-    for _, fn, args in calls:
-        fn(*args)
+    run(calls)
     t = time.perf_counter() - t0
     gc.unfreeze()
     return t
