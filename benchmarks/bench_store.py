@@ -513,8 +513,21 @@ def main() -> None:
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--count",
+        choices=["none", *IMPLS],
+        help="build the trace, then replay one store once, untimed and unchecked (for instruction counters: "
+        "run it under valgrind --tool=cachegrind and subtract the 'none' run)",
+    )
     a = ap.parse_args()
     out: dict = {"args": {k: str(v) for k, v in vars(a).items()}}
+
+    if a.count:
+        rec = record(make_store_trace(a.requests, seed=a.seed), a.capacity, a.seed + 1, a.touches, a.running)
+        calls = make_calls(rec, "vllm" if a.count == "none" else a.count, a.status)
+        if a.count != "none":
+            run(calls)
+        return
 
     if a.sweep:
         rows = []

@@ -262,20 +262,28 @@ class LRUPolicy(CachePolicy):
 
     def _touch(self, keys: Sequence[Key], is_ready: Predicate) -> None:
         # vLLM's LRU moves pending keys too; only ARC distinguishes them.
+        keys_, parked = self._keys, self._parked
+        move = keys_.move_to_end
         walk = reversed(keys)
-        move = self._keys.move_to_end
-        while True:
-            try:
-                deque(map(move, walk), 0)  # the common case, every key in the ordered dict, stays in C
-                return
-            except KeyError:
-                # The key ``move`` failed on is the one ``walk`` yielded last: the next unwalked
-                # index is length_hint(walk), so it sits there.  (KeyError's own argument is
-                # unreliable: a tuple key would be unpacked into it.)
-                key = keys[length_hint(walk)]
-                if self._parked.pop(key, _MISSING) is not _MISSING:
-                    self._keys[key] = None
-                # Otherwise it is not resident: ignored.  Carry on with the rest of the walk.
+        try:
+            deque(map(move, walk), 0)  # every key in the ordered dict, the common case: all in C
+            return
+        except KeyError:
+            pass
+        # The key ``move`` failed on is the one ``walk`` yielded last, so the next unwalked index,
+        # length_hint(walk), is its own.  (KeyError's argument is unreliable: a tuple key is unpacked.)
+        key = keys[length_hint(walk)]
+        if parked.pop(key, _MISSING) is not _MISSING:
+            keys_[key] = None
+        # Otherwise it is not resident: ignored.  The rest of the walk, without another exception.
+        if not parked:
+            deque(map(move, filter(keys_.__contains__, walk)), 0)
+            return
+        for key in walk:
+            if key in keys_:
+                move(key)
+            elif parked.pop(key, _MISSING) is not _MISSING:
+                keys_[key] = None
 
     def _evict(self, n: int, can_evict: Predicate) -> list[Key] | None:
         victims: list[Key] = []
