@@ -3,24 +3,29 @@
 The trace (seeded): 20 000 requests over a 4096-block CPU store.  Prompts start
 with one of 24 shared system prompts (8-48 blocks, Zipf s=1.1) or, 40% of the
 time, resend a recent conversation whole (multi-turn); then 2-24 new user
-blocks; outputs are long-tailed (median 10 blocks, at most 128).  Keys are 36-byte block hashes (32-byte hash +
-4-byte group id, as vLLM keys its offloaded blocks).
+blocks; outputs are long-tailed (median 10 blocks, at most 128).  Keys are
+36-byte block hashes (32-byte hash + 4-byte group id, as vLLM keys its
+offloaded blocks).
 
-The driver plays vLLM's offloading connector against the vLLM-structure store
-(``_vllm_style_store.py``), 32 requests running at a time, one step = one
-prefill chunk of up to 32 blocks or one decoded block per request:
+The driver plays the offloading connector against the vLLM-structure store
+(``_vllm_style_store.py``), ``--running`` requests at a time (64 by default),
+one step = one prefill chunk of up to 32 blocks or one decoded block per
+request:
 
-* admission: ``touch`` of the prompt's keys, then per-key ``lookup`` from the
-  first block until one is not a hit (the last prompt block is always
-  recomputed); hits are pinned with ``prepare_load`` and unpinned with
-  ``complete_load`` 1-4 steps later (the load's duration), before prefill;
+* admission: per-key ``lookup`` from the first block until one is not a hit
+  (the last prompt block is always recomputed); hits are pinned with
+  ``prepare_load`` and ``touch``-ed, and unpinned with ``complete_load`` 1-4
+  steps later (the load's duration), before prefill;
 * every step that completes full blocks: ``prepare_store`` of the blocks not
-  yet offered (a refused store is offered again, with more blocks, next step),
-  then ``touch`` of every block computed so far if anything was stored;
+  yet offered (a refused store is offered again, with more blocks, next step);
 * finish: the request's stores complete (``complete_store(..., True)`` for its
   successful ones, ``complete_store(..., False)`` for the 5% that failed), then
   ``on_request_finished``.  Stores stay pending until their request finishes,
-  as in the connector, which learns of finished sends per request.
+  as in vLLM's connector, which learns of finished sends per request.
+
+``--touches connector`` adds what vLLM's connector also does: a ``touch`` of
+the whole prompt before its lookups and of every computed block after each
+accepted store.  (Our tier manager touches only the blocks it loads.)
 
 The calls are recorded with their results, then replayed against fresh stores:
 first a checking pass (every result of ``tiered_kv``'s ``CPUStore`` must equal
@@ -29,10 +34,12 @@ evicted keys in order, refusals; resident keys, slots, states and LRU order at
 checkpoints and at the end), then timed passes.  ``tiered_kv`` is replayed
 twice: with the same per-key ``lookup`` calls, and with one ``lookup_prefix``
 per admission (the verb our tier manager uses).  Timings: whole replays (best
-of ``--repeat``, alternating) and, in a separate pass, per call kind with the
-timer's own cost subtracted.
+of ``--repeat``, alternating) and, in separate passes, per call kind with the
+timer's own cost subtracted (best of ``--repeat``).  ``--sweep 32,64,128``
+prints whole-replay ratios for several loads instead.
 
-Usage: python benchmarks/bench_store.py [--requests N] [--repeat R] [--status dataclass|ctypes] [--json PATH]
+Usage: python benchmarks/bench_store.py [--requests N] [--running R | --sweep R1,R2,...] [--repeat K]
+       [--touches hits|connector] [--status dataclass|ctypes] [--json PATH] [--count IMPL]
 """
 
 from __future__ import annotations

@@ -274,13 +274,15 @@ class CPUStore(BlockStore):
             checks.flag("success", success)
         pending = self._pending
         if success:
-            done = pending & named
-            if not done:
-                return
-            pending -= done
-            self._policy._mark_evictable(done)
             if self.enable_events:
-                self._events.append(StoreEvent([key for key in keys if key in done], self.medium, False))
+                done = pending & named
+                if done:
+                    self._events.append(StoreEvent([key for key in keys if key in done], self.medium, False))
+            before = len(pending)
+            pending -= named  # one pass; keys that are not pending are ignored, as in vLLM
+            if len(pending) != before:
+                # ``named`` may include keys that were ready already; the policy re-checks each.
+                self._policy._mark_evictable(named)
         else:
             dropped = [key for key in keys if key in pending]
             if not dropped:

@@ -51,7 +51,8 @@ class CachePolicy(abc.ABC):
       only through the store) and ``protected`` (the keys of this one call);
     * ``_mark_evictable(keys)``: the store's promise to report every key that
       becomes evictable (a store completed, or a key's last load finished), so
-      that a policy may stop re-examining keys it already found busy.
+      that a policy may stop re-examining keys it already found busy.  ``keys``
+      may include keys that did not change: a policy re-checks before acting.
 
     Invariants:
         * A key is resident at most once; ``len(policy)`` counts resident keys.
@@ -189,9 +190,11 @@ class LRUPolicy(CachePolicy):
     cost of a store.  Here, a key that the store's eviction finds busy (pending,
     pinned) or protected at the front is *parked*: moved, with a sequence
     number, from the ordered dict to a side table.  Every parked key is older
-    than every key in the ordered dict (it was at the front when parked, and
-    keys only join the dict at the back), so the recency order is "parked keys
-    by sequence number, then the ordered dict", exactly as before.  A parked
+    than every key in the ordered dict (when it was parked, everything ahead of
+    it had been evicted or parked too, and keys only join the dict at the
+    back), so the recency order is "parked keys by sequence number, then the
+    ordered dict", exactly as before.  An eviction that is refused parks
+    nothing.  A parked
     key that can be evicted (the store reports it through ``_mark_evictable``)
     waits in a heap by sequence number; eviction takes from that heap first,
     then from the front of the ordered dict.  A touch brings a parked key back
@@ -228,7 +231,7 @@ class LRUPolicy(CachePolicy):
 
     @property
     def num_parked(self) -> int:
-        """Keys held aside by eviction because they were busy or protected (for the benchmarks)."""
+        """Keys held aside by eviction because they were busy or protected (for tests and benchmarks)."""
         return len(self._parked)
 
     def check_invariants(self, evictable: Predicate | None = None) -> None:
