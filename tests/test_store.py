@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 import sys
 
@@ -11,7 +12,17 @@ import pytest
 import tiered_kv
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, TieredKVError
 from tiered_kv.manager.cpu_store import CPUStore
-from tiered_kv.manager.store import LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEntry, StoreEvent, StoreStats
+from tiered_kv.manager.store import (
+    LoadStoreSpec,
+    LookupResult,
+    PrepareStoreOutput,
+    StoreEntry,
+    StoreEvent,
+    StoreStats,
+    key_set,
+    make_prepare_output,
+    make_spec,
+)
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
@@ -201,6 +212,112 @@ def test_arc_store_promotes_on_touch_and_evicts_recent_first():
     store.check_invariants()
 
 
+# ------------------------------------------------- what eviction sets aside
+def test_eviction_sets_busy_keys_aside_and_still_takes_the_least_recent_evictable():
+    store = stored(9, "abcdefgh")  # full: slots 1..8
+    store.prepare_load(["a", "b", "c"])  # the three oldest are pinned
+    assert store.prepare_store(["x"]) == out("x", [4], evicted="d")
+    assert store.policy.num_parked == 3  # a, b, c: the next eviction does not walk them again
+    assert keys_of(store) == list("abcefghx")  # ... and the recency order is unchanged
+    store.complete_load(["b"])  # b can go again, and it is still older than e
+    assert store.prepare_store(["y"]) == out("y", [2], evicted="b")
+    store.touch(["a"])  # a used: most recent, wherever it was kept
+    assert keys_of(store) == list("cefghxya")
+    store.complete_load(["a", "c"])
+    assert store.prepare_store(["z"]) == out("z", [3], evicted="c")
+    assert store.prepare_store(["w"]) == out("w", [5], evicted="e")
+    store.check_invariants()
+
+
+def test_protected_keys_are_skipped_and_then_evicted_in_their_turn():
+    store = stored(5, "abcd")
+    store.prepare_load(["a"])
+    # a pinned, b protected by this very call: both passed over, c goes.
+    assert store.prepare_store(["b", "x"]) == out("x", [3], evicted="c")
+    assert store.policy.num_parked == 2
+    assert store.prepare_store(["y"]) == out("y", [2], evicted="b")  # b is now the oldest evictable key
+    store.complete_load(["a"])
+    store.complete_store(["x", "y"])
+    assert store.prepare_store(["z"]) == out("z", [1], evicted="a")
+    store.check_invariants()
+
+
+def test_a_refused_eviction_over_set_aside_keys_changes_nothing():
+    store = stored(5, "abcd")
+    store.prepare_load(["a"])
+    assert store.prepare_store(["x"]) == out("x", [2], evicted="b")  # a set aside; x pending
+    store.complete_load(["a"])  # a evictable again, still set aside
+    before = snapshot(store)
+    # Two to evict; a can go, but c and d are protected and x is pending: refused whole.
+    assert store.prepare_store(["c", "d", "y", "z"]) is None
+    assert snapshot(store) == before
+    store.check_invariants()
+    assert store.prepare_store(["c", "y", "z"]) == out("yz", [4, 1], evicted="ad")  # the last freed first
+
+
+def test_the_policys_own_evict_walks_keys_the_store_set_aside():
+    store = stored(5, "abcd")
+    store.prepare_load(["a"])
+    store.prepare_store(["x"])
+    policy = store.policy  # from here on the policy is used alone (the store is left behind)
+    assert policy.order() == ["a", "c", "d", "x"] and policy.num_parked == 1
+    assert policy.evict(2, lambda key: key != "c") == ["a", "d"]
+    assert policy.order() == ["c", "x"]
+
+
+# ------------------------------------------------------ queries and helpers
+def test_contains_is_ready_and_room_for_count_no_query():
+    store = populated()  # a, b ready and evictable; c pinned; d pending; one free slot
+    before = store.stats
+    assert [store.contains(k) for k in "abcdz"] == [True, True, True, True, False]
+    assert [store.is_ready(k) for k in "abcdz"] == [True, True, True, False, False]
+    assert store.room_for([]) == 3  # the free slot, a and b
+    assert store.room_for(["a"]) == 2
+    assert store.room_for(("b", "x", "a")) == 1
+    assert store.room_for(["c", "d", "z"]) == 3  # pinned, pending and absent keys protect nothing evictable
+    assert store.stats == before
+
+
+@pytest.mark.parametrize("keys", [["x"], ["x", "y"], ["x", "y", "z"], ["a", "x"], ["a", "x", "y"], ["b", "a", "x"]])
+def test_room_for_is_how_many_absent_keys_prepare_store_takes(keys):
+    store = populated()
+    absent = [k for k in keys if not store.contains(k)]
+    fits = len(absent) <= store.room_for(keys)
+    got = store.prepare_store(keys)
+    assert (got is not None) == fits
+    if got is not None:
+        assert got.keys_to_store == absent
+
+
+def test_key_set_is_the_set_of_keys_once_they_pass_the_checks():
+    assert key_set("keys", ["a", 1, b"x", ("t", 2)]) == {"a", 1, b"x", ("t", 2)}
+    assert key_set("keys", (0, 1)) == {0, 1}  # 0 and 1 are keys; False and True are not
+    assert key_set("keys", []) == set()
+    for bad, message in [
+        ([0, False], r"keys\[1\].*not a bool"),
+        ([True], r"keys\[0\].*not a bool"),
+        (["a", None], r"keys\[1\] must be a hashable id"),
+        ([["a"]], r"keys\[0\] must be a hashable id"),
+        ([1, "a", 1], r"twice \(positions 0 and 2\)"),
+        ({"a"}, "must be a list or tuple"),
+        ("ab", "must be a list or tuple"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=message):
+            key_set("keys", bad)
+
+
+def test_fast_built_results_are_the_same_frozen_records():
+    built = make_prepare_output(["a"], "CPU", (1,), ["b"])
+    made = PrepareStoreOutput(["a"], LoadStoreSpec("CPU", (1,)), ["b"])
+    assert built == made and repr(built) == repr(made)
+    assert make_spec("CPU", (1, 2)) == LoadStoreSpec("CPU", (1, 2))
+    assert hash(make_spec("CPU", (1, 2))) == hash(LoadStoreSpec("CPU", (1, 2)))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.keys_to_store = []  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.store_spec.block_ids = ()  # type: ignore[misc]
+
+
 def test_store_modules_import_only_the_standard_library():
     root = pathlib.Path(tiered_kv.__file__).parent / "manager"
     allowed = {"tiered_kv.checks", "tiered_kv.errors", "tiered_kv.manager.store", "tiered_kv.manager.store_policies"}
@@ -233,6 +350,16 @@ CASES = [
     ("lookup None", InvalidArgumentError, "key must be a hashable id, got None", lambda s: s.lookup(None)),
     ("lookup unhashable", InvalidArgumentError, r"key must be a hashable id, got \['a'\]", lambda s: s.lookup(["a"])),
     ("lookup bool", InvalidArgumentError, "key must be a hashable key that is not a bool", lambda s: s.lookup(True)),
+    ("contains None", InvalidArgumentError, "key must be a hashable id, got None", lambda s: s.contains(None)),
+    ("contains unhashable", InvalidArgumentError, "key must be a hashable id", lambda s: s.contains({})),
+    ("is_ready bool", InvalidArgumentError, "not a bool", lambda s: s.is_ready(False)),
+    ("is_ready unhashable", InvalidArgumentError, "key must be a hashable id", lambda s: s.is_ready(["a"])),
+    ("room_for a set", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.room_for({"a"})),
+    ("room_for twice a key", InvalidArgumentError, "twice", lambda s: s.room_for(["a", "a"])),
+    ("room_for None key", InvalidArgumentError, r"keys\[0\]", lambda s: s.room_for([None])),
+    ("store one unhashable", InvalidArgumentError, r"keys\[0\] must be a hashable", lambda s: s.prepare_store([{}])),
+    ("store one None", InvalidArgumentError, r"keys\[0\]", lambda s: s.prepare_store((None,))),
+    ("store one True", InvalidArgumentError, "not a bool", lambda s: s.prepare_store([True])),
     ("prefix of a str", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.lookup_prefix("ab")),
     ("prefix of bytes", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.lookup_prefix(b"ab")),
     ("prefix of a set", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.lookup_prefix({"a"})),

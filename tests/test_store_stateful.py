@@ -7,6 +7,12 @@ match it exactly: resident keys, slots, pending/ready, pins, LRU order, the free
 slots in hand-out order, counters and events.  A refused call (``None`` or an
 error) must leave the store exactly as it was.
 
+A second LRU machine uses a larger store and a larger key pool, with
+single-key stores as in decoding, so that busy (pending or pinned) keys often
+sit at the front of the recency order when an eviction comes: the store sets
+those aside rather than walking them again, and must still pick exactly the
+model's victims.
+
 The ARC machine drives the same traffic through an ARC store.  ARC picks other
 victims, so the model adopts the store's victims after checking that they were
 legal (exactly as many as needed, ready, unpinned, not among the given keys);
@@ -20,7 +26,7 @@ import os
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tiered_kv.errors import BlockStateError, InvalidArgumentError
 from tiered_kv.manager.cpu_store import CPUStore
@@ -34,11 +40,12 @@ EXAMPLES = int(os.environ.get("TIERED_KV_STATEFUL_EXAMPLES", "200"))
 class Model:
     """The LRU store, written as plainly as possible."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_blocks: int = NUM_BLOCKS) -> None:
+        self.num_blocks = num_blocks
         self.slot: dict = {}
         self.ref: dict = {}  # -1 pending, else loads in flight
         self.order: list = []  # least recent first
-        self.unused = list(range(1, NUM_BLOCKS))
+        self.unused = list(range(1, num_blocks))
         self.freed: list[int] = []  # the last one is handed out first
         self.events: list[StoreEvent] = []
         self.queries = self.hits = self.pending_hits = self.evictions = 0
@@ -90,7 +97,7 @@ class Model:
                 self.order.append(k)
 
     def need(self, keys) -> int:
-        return sum(k not in self.ref for k in keys) - (NUM_BLOCKS - 1 - len(self.slot))
+        return sum(k not in self.ref for k in keys) - (self.num_blocks - 1 - len(self.slot))
 
     def lru_victims(self, keys) -> list | None:
         candidates = [k for k in self.order if self.ref[k] == 0 and k not in keys]
@@ -151,17 +158,20 @@ def key_lists(pool: list, min_size: int = 0) -> st.SearchStrategy[list]:
 
 class StoreMachine(RuleBasedStateMachine):
     POLICY = "lru"
+    NUM_BLOCKS = NUM_BLOCKS
+    KEYS = KEYS
+    MAX_STORE = 4  # keys per prepare_store
 
     def __init__(self) -> None:
         super().__init__()
-        self.store = CPUStore(NUM_BLOCKS, policy=self.POLICY, enable_events=True)
-        self.model = Model()
+        self.store = CPUStore(self.NUM_BLOCKS, policy=self.POLICY, enable_events=True)
+        self.model = Model(self.NUM_BLOCKS)
 
     def draw_keys(self, data, favoured: list) -> list:
         """Keys mostly from ``favoured`` (the interesting ones for this verb), sometimes from all."""
         if favoured and data.draw(st.booleans()):
             return data.draw(key_lists(favoured, min_size=1))
-        return data.draw(key_lists(KEYS))
+        return data.draw(key_lists(self.KEYS))
 
     def refused(self, error: type[Exception], call) -> None:
         before = snapshot(self.store)
@@ -169,17 +179,19 @@ class StoreMachine(RuleBasedStateMachine):
             call()
         assert snapshot(self.store) == before
 
-    @rule(key=st.sampled_from(KEYS))
-    def lookup(self, key):
+    @rule(data=st.data())
+    def lookup(self, data):
+        key = data.draw(st.sampled_from(self.KEYS))
         assert self.store.lookup(key) is self.model.lookup(key)
 
-    @rule(keys=key_lists(KEYS))
-    def lookup_prefix(self, keys):
+    @rule(data=st.data())
+    def lookup_prefix(self, data):
+        keys = data.draw(key_lists(self.KEYS))
         assert self.store.lookup_prefix(keys) == self.model.lookup_prefix(keys)
 
     @rule(data=st.data())
     def prepare_load(self, data):
-        keys = self.draw_keys(data, [k for k in KEYS if self.model.ref.get(k, -1) >= 0])
+        keys = self.draw_keys(data, [k for k in self.KEYS if self.model.ref.get(k, -1) >= 0])
         expected = self.model.prepare_load(keys)
         if expected is None:
             self.refused(BlockStateError, lambda: self.store.prepare_load(keys))
@@ -188,20 +200,23 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def complete_load(self, data):
-        keys = self.draw_keys(data, [k for k in KEYS if self.model.ref.get(k, 0) > 0])
+        keys = self.draw_keys(data, [k for k in self.KEYS if self.model.ref.get(k, 0) > 0])
         if self.model.complete_load(keys):
             self.store.complete_load(keys)
         else:
             self.refused(BlockStateError, lambda: self.store.complete_load(keys))
 
-    @rule(keys=key_lists(KEYS))
-    def touch(self, keys):
+    @rule(data=st.data())
+    def touch(self, data):
+        # Busy keys (pending or pinned) are the ones an LRU eviction sets aside: touching them
+        # must bring them back to the most recent end from wherever the store keeps them.
+        keys = self.draw_keys(data, [k for k in self.KEYS if self.model.ref.get(k, 0) != 0])
         self.store.touch(keys)
         self.model.touch(keys)
 
     @rule(data=st.data())
     def prepare_store(self, data):
-        keys = data.draw(key_lists(KEYS, min_size=1))
+        keys = data.draw(st.lists(st.sampled_from(self.KEYS), unique=True, min_size=1, max_size=self.MAX_STORE))
         victims = self.model.lru_victims(keys) if self.POLICY == "lru" else None
         before = snapshot(self.store)
         got = self.store.prepare_store(keys)
@@ -219,13 +234,13 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), success=st.booleans())
     def complete_store(self, data, success):
-        keys = self.draw_keys(data, [k for k in KEYS if self.model.ref.get(k) == -1])
+        keys = self.draw_keys(data, [k for k in self.KEYS if self.model.ref.get(k) == -1])
         self.store.complete_store(keys, success=success)
         self.model.complete_store(keys, success)
 
     @rule(data=st.data())
     def remove(self, data):
-        keys = self.draw_keys(data, [k for k in KEYS if self.model.ref.get(k) == 0])
+        keys = self.draw_keys(data, [k for k in self.KEYS if self.model.ref.get(k) == 0])
         if self.model.remove(keys):
             self.store.remove(keys)
         else:
@@ -233,7 +248,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), verb=st.sampled_from(["prepare_load", "complete_load", "prepare_store", "remove", "touch"]))
     def bad_keys(self, data, verb):
-        keys = data.draw(key_lists(KEYS).filter(bool))
+        keys = data.draw(key_lists(self.KEYS).filter(bool))
         bad = data.draw(st.sampled_from([[*keys, keys[0]], [*keys, None], (*keys[:1], []), set(keys)]))
         self.refused(InvalidArgumentError, lambda: getattr(self.store, verb)(bad))
 
@@ -246,12 +261,29 @@ class StoreMachine(RuleBasedStateMachine):
         if self.POLICY == "lru":
             assert [e.key for e in store.entries()] == model.order
         assert store.free_block_ids() == model.free_ids()
-        assert store.num_used + store.num_free == store.capacity == NUM_BLOCKS - 1
+        assert store.num_used + store.num_free == store.capacity == self.NUM_BLOCKS - 1
         assert store.num_pinned == sum(r > 0 for r in model.ref.values())
         assert store.num_pending == sum(r < 0 for r in model.ref.values())
         assert store.stats == StoreStats(model.queries, model.hits, model.pending_hits, model.evictions)
         assert store.take_events() == model.events
         model.events = []
+
+
+class BusyLRUStoreMachine(StoreMachine):
+    NUM_BLOCKS = 9
+    KEYS = (*KEYS, *range(7, 14), b"h14", b"h15")
+    MAX_STORE = 1
+
+    @initialize(data=st.data())
+    def fill(self, data):
+        """Start full, so that every store evicts; some of the oldest keys pinned or still pending."""
+        keys = data.draw(st.permutations(self.KEYS))[: self.NUM_BLOCKS - 1]
+        assert self.store.prepare_store(keys) == self.model.prepare_store(keys, [])
+        done = keys[data.draw(st.integers(0, 3)) :]
+        self.store.complete_store(done)
+        self.model.complete_store(done, True)
+        pinned = data.draw(key_lists(done))
+        assert self.store.prepare_load(pinned) == self.model.prepare_load(pinned)
 
 
 class ARCStoreMachine(StoreMachine):
@@ -260,5 +292,7 @@ class ARCStoreMachine(StoreMachine):
 
 StoreMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None)
 ARCStoreMachine.TestCase.settings = settings(max_examples=max(EXAMPLES // 2, 1), stateful_step_count=40, deadline=None)
+BusyLRUStoreMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=60, deadline=None)
 TestLRUStore = StoreMachine.TestCase
+TestBusyLRUStore = BusyLRUStoreMachine.TestCase
 TestARCStore = ARCStoreMachine.TestCase
