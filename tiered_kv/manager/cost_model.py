@@ -238,15 +238,15 @@ class TierLink:
 
 DEFAULT_TIER_LINKS: Mapping[str, TierLink] = MappingProxyType(
     {
-        # A local NVMe disk.  2 GB/s: measured here, DiskIO loads of 2 MiB blocks from the virtio disk
-        # (1.2-2.5 GB/s, docs/benchmarks.md; datasheets of PCIe 3.0 x4 NVMe drives give about 3.5 GB/s
-        # sequential).  40 us a block: measured here, DiskIO loads of 4 KiB blocks with its 4 load
-        # threads (35-54 us, median 40: open, header check, preadv, CRC, close).
+        # A local NVMe disk.  2 GB/s: DiskIO loads of 2 MiB blocks measured here at 1.2-2.5 GB/s from
+        # the virtio disk (bench_tiers.py, docs/benchmarks.md; PCIe 3.0 x4 NVMe datasheets give about
+        # 3.5 GB/s sequential).  40 us a block: measured here, the fit of bench_tier_links.py (DiskIO,
+        # 4 load threads: open, header check, preadv, CRC, close) gave 39.5-40.6 us.
         "DISK": TierLink(bytes_per_s=2.0e9, block_latency_s=40e-6),
-        # A Redis server across a 10 GbE network: 1.25 GB/s line rate.  50 us a block: measured here,
-        # 20 us a block for 4 KiB values on localhost (16-block pipelines), plus a datacenter round trip
-        # of about 0.5 ms per pipeline.  The pure-Python client tops out near 0.23 GB/s on 2 MiB values
-        # (measured here); give the manager a measured TierLink where that is the bottleneck.
+        # A Redis server across a 10 GbE network: 1.25 GB/s line rate.  50 us a block: the fit of
+        # bench_tier_links.py gave 41 us a block on localhost (16-block pipelines), to which a network
+        # adds its round trip, shared by a pipeline.  The pure-Python client alone tops out near
+        # 0.2 GB/s (measured here); give the manager a measured TierLink where it is the bottleneck.
         "REMOTE": TierLink(bytes_per_s=1.25e9, block_latency_s=50e-6),
     }
 )
