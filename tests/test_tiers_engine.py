@@ -18,13 +18,15 @@ import threading
 
 import pytest
 from test_engine_exact import LAYOUTS, MAX_TOKENS, check
-from tierutil import RedisServer, need_redis_server
+from tierutil import NS, RedisServer, host, need_redis_server
 
 from tiered_kv.core.hashing import BlockHasher
 from tiered_kv.core.request import Request
 from tiered_kv.engine.engine import Engine
 from tiered_kv.errors import InvalidArgumentError, StorageError
 from tiered_kv.manager.cost_model import TierLink
+from tiered_kv.manager.cpu_store import CPUStore
+from tiered_kv.tiers.stack import TierStack
 
 _rng = random.Random(4)
 PREFIX = [_rng.randrange(512) for _ in range(24)]  # six blocks of four tokens
@@ -209,3 +211,16 @@ def test_bad_tier_options_fail_and_leave_nothing_open(tmp_path):
             break
         threading.Event().wait(0.01)
     assert set(threading.enumerate()) <= threads
+
+
+def test_a_tier_stack_needs_a_tier_below_and_caps_write_back_at_what_that_tier_holds(tmp_path):
+    cpu = CPUStore(9)
+    with pytest.raises(InvalidArgumentError, match="needs disk_dir= or redis="):
+        TierStack(cpu, host(num_blocks=9), NS)
+    with pytest.raises(InvalidArgumentError, match="does not match its store"):
+        TierStack(cpu, host(num_blocks=5), NS, disk_dir=tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before anything was made
+    with TierStack(cpu, host(num_blocks=9), NS, disk_dir=tmp_path, disk_bytes=3 * 4096) as stack:
+        assert stack.chain.media == ("CPU", "DISK") and list(stack.engines) == ["DISK"]
+        assert [p.writeback_reserve for p in stack.chain.policies] == [3, 16]  # 3: all the disk holds
+        assert [p.demote for p in stack.chain.policies] == ["write_back", "none"]
