@@ -1,42 +1,130 @@
-"""Simulator speed: simulated seconds and requests per wall second on the default config.
+"""Simulator speed: simulated requests per wall-clock second on the default experiment.
 
-Runs the default experiment's three runs at its own size and at 10,000 requests,
-and prints a table.  Usage: python benchmarks/bench_sim.py [--requests 10000]
+Runs every regime and run of the default experiment (or ``--config``) and prints, per run,
+the wall time, the simulated requests per wall second and how much of the wall time the
+real Scheduler and TierManager took (``schedule`` + ``update``, timed around the calls):
+that share is the anchor, the floor the simulator's own work sits on.  The last line is the
+whole experiment: requests simulated over the wall time, serially and, with ``--workers``,
+in worker processes.
+
+``--digest`` instead records every run's whole event trace and prints its SHA-256: two
+versions of the simulator that print the same digests made the same decisions, event for
+event.
+
+Usage: python benchmarks/bench_sim.py [--config NAME] [--requests N] [--workers 2] [--digest]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from typing import Any
 
-from tiered_kv.sim.config import load_config, setup
+from tiered_kv.sim.config import read_config, setup
+from tiered_kv.sim.runner import regime_configs
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.workload import generate
 
 
+def _cells(config: str | None, requests: int | None) -> list[tuple[str, dict[str, Any], int]]:
+    raw, stem = read_config(config)
+    over = {"workload.num_requests": requests} if requests else None
+    out = []
+    for name, _rate, _expect, cfg in regime_configs(raw, stem, over, None):
+        if requests:
+            cfg["workload"]["num_requests"] = requests
+        for i in range(len(cfg["runs"])):
+            out.append((name or "-", cfg, i))
+    return out
+
+
+def run_one(cell: tuple[str, dict[str, Any], int], digest: bool = False) -> dict[str, Any]:
+    regime, cfg, i = cell
+    st = setup(cfg, i)
+    workload = generate(cfg["workload"], cfg["seed"])
+    sim = Simulator(st, workload, record_trace=digest)
+    sched = sim.scheduler
+    spent = [0.0]
+    schedule, update = sched.schedule, sched.update
+
+    def timed_schedule():
+        t = time.perf_counter()
+        out = schedule()
+        spent[0] += time.perf_counter() - t
+        return out
+
+    def timed_update(out, sampled):
+        t = time.perf_counter()
+        done = update(out, sampled)
+        spent[0] += time.perf_counter() - t
+        return done
+
+    if not digest:
+        sched.schedule, sched.update = timed_schedule, timed_update  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    res = sim.run()
+    wall = time.perf_counter() - t0
+    row = {
+        "regime": regime,
+        "run": st.name,
+        "requests": len(workload),
+        "wall_s": wall,
+        "sched_s": spent[0],
+        "steps": res["steps"],
+        "sim_s": res["makespan_s"],
+    }
+    if digest:
+        row["digest"] = hashlib.sha256(repr(sim.loop.trace).encode()).hexdigest()[:16]
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, nargs="*", default=[3000, 10000])
+    ap.add_argument("--config", default=None, help="a config name or path (default: the main experiment)")
+    ap.add_argument("--requests", type=int, default=None, help="requests per regime (default: the config's)")
+    ap.add_argument("--workers", type=int, default=1, help="also run the whole experiment in N processes")
+    ap.add_argument("--digest", action="store_true", help="print each run's event-trace SHA-256 instead")
     args = ap.parse_args(argv)
-    print(f"{'requests':>8} {'run':22} {'wall s':>7} {'sim s':>8} {'sim-s/wall-s':>12} {'req/wall-s':>10} {'steps':>7}")
-    for n in args.requests:
-        cfg = load_config(None, {"workload.num_requests": n})
+    cells = _cells(args.config, args.requests)
+    if args.digest:
+        for cell in cells:
+            r = run_one(cell, digest=True)
+            print(f"{r['regime']:16} {r['run']:22} {r['digest']}")
+        return 0
+    print(
+        f"{'regime':16} {'run':22} {'requests':>8} {'wall s':>7} {'req/wall-s':>10} {'steps':>6} "
+        f"{'sched+mgr s':>11} {'share':>6}"
+    )
+    total_req = 0
+    t_all = time.perf_counter()
+    sched_all = 0.0
+    for cell in cells:
+        r = run_one(cell)
+        total_req += r["requests"]
+        sched_all += r["sched_s"]
+        print(
+            f"{r['regime']:16} {r['run']:22} {r['requests']:8d} {r['wall_s']:7.2f} "
+            f"{r['requests'] / r['wall_s']:10.0f} {r['steps']:6d} {r['sched_s']:11.2f} "
+            f"{r['sched_s'] / r['wall_s']:6.0%}"
+        )
+    serial = time.perf_counter() - t_all
+    print(
+        f"whole experiment, 1 process: {total_req} requests in {serial:.1f} s = {total_req / serial:.0f} "
+        f"requests/wall-s; Scheduler+TierManager {sched_all / serial:.0%} of it"
+    )
+    if args.workers > 1:
         t0 = time.perf_counter()
-        workload = generate(cfg["workload"], cfg["seed"])
-        gen = time.perf_counter() - t0
-        total = gen
-        for i in range(len(cfg["runs"])):
-            st = setup(cfg, i)
-            t0 = time.perf_counter()
-            res = Simulator(st, workload).run()
-            wall = time.perf_counter() - t0
-            total += wall
-            print(
-                f"{n:8d} {st.name:22} {wall:7.2f} {res['makespan_s']:8.1f} {res['makespan_s'] / wall:12.1f} "
-                f"{n / wall:10.0f} {res['steps']:7d}"
-            )
-        print(f"{n:8d} {'(workload generation)':22} {gen:7.2f}   total {total:.1f} s for all runs")
+        with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
+            list(pool.map(run_one, cells))
+        par = time.perf_counter() - t0
+        print(
+            f"whole experiment, {args.workers} processes: {total_req / par:.0f} requests/wall-s "
+            f"({serial / par:.2f}x the 1-process run above)"
+        )
     return 0
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job: the default experiment (configs/oversubscribed-llama3-8b-h200.yaml),
-# comparing recompute-only, always-swap and cost-aware + CPU prefix tier.
+# The main job: the default experiment (configs/oversubscribed-llama3-8b-h200.yaml): five runs
+# that separate recompute, a CPU prefix tier, vLLM v0's swapping and cost-aware swap-or-recompute,
+# below capacity and overloaded; the runs are simulated in two processes.
 # Writes out/results.json and plots in out/plots/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-venv.sh
-exec .venv/bin/tiered-kv simulate --json out/results.json --plots out/plots "$@"
+exec .venv/bin/tiered-kv simulate --workers 2 --json out/results.json --plots out/plots "$@"

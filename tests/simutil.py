@@ -65,6 +65,10 @@ def config(**changes: Any) -> dict[str, Any]:
     return validate_config(raw)
 
 
-def run(cfg: dict[str, Any], index: int = 0, trace: bool = False) -> tuple[dict[str, Any], Simulator]:
-    sim = Simulator(setup(cfg, index), generate(cfg["workload"], cfg["seed"]), record_trace=trace)
+def run(
+    cfg: dict[str, Any], index: int = 0, trace: bool = False, keep_timeline: bool = False
+) -> tuple[dict[str, Any], Simulator]:
+    sim = Simulator(
+        setup(cfg, index), generate(cfg["workload"], cfg["seed"]), record_trace=trace, keep_timeline=keep_timeline
+    )
     return sim.run(), sim

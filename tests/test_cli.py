@@ -15,7 +15,7 @@ NAMES = [m.NAME for m in COMMANDS]
 
 
 def test_commands_are_the_documented_seven():
-    assert NAMES == ["simulate", "sweep", "crossover", "fidelity", "bench-transfer", "gpu-check", "demo"]
+    assert NAMES == ["simulate", "sweep", "validate", "crossover", "fidelity", "bench-transfer", "gpu-check", "demo"]
 
 
 def test_help_lists_every_command_with_its_summary_on_one_line(capsys):

@@ -51,6 +51,14 @@ ROWS = {
     # demo
     "demo-bad-hash": Row(["demo", "--hash", "md5"], r"argument --hash: invalid choice: 'md5'"),
     "demo-unknown-flag": Row(["demo", "--fast"], r"unrecognized arguments: --fast"),
+    # validate
+    "validate-unknown-config": Row(["validate", "nope"], r"validation: no config 'nope' \(shipped: "),
+    "validate-bad-point": Row(
+        ["validate", "v.yaml"],
+        r"validation v\.points\[0\]: give either 'published' or 'expect'",
+        {"v.yaml": "points: [{id: x, metric: tpot_p50_ms, source: s}]\n"},
+    ),
+    "validate-without-yaml": Row(["validate"], r"needs PyYAML", missing=("yaml",)),
     # simulate: files
     "simulate-missing-config": Row(["simulate", "nope.yaml"], r"config file 'nope.yaml' does not exist"),
     "simulate-config-is-dir": Row(["simulate", "d"], r"config: 'd' is a directory, not a file", {"d": "/"}),
@@ -174,7 +182,7 @@ ROWS = {
         r"--plots needs matplotlib, .*tiered-kv\[sim\]",
         missing=("matplotlib",),
     ),
-    "simulate-unknown-flag": Row(["simulate", "--workers", "2"], r"unrecognized arguments: --workers"),
+    "simulate-unknown-flag": Row(["simulate", "--turbo", "2"], r"unrecognized arguments: --turbo"),
     # sweep
     "sweep-no-config": Row(["sweep"], r"the following arguments are required: config"),
     "sweep-missing-config": Row(["sweep", "nope.yaml"], r"config file 'nope.yaml' does not exist"),
@@ -287,6 +295,7 @@ def test_the_table_covers_every_command():
     assert {r.argv[0] for r in ROWS.values()} == {
         "simulate",
         "sweep",
+        "validate",
         "crossover",
         "fidelity",
         "bench-transfer",

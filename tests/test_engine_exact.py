@@ -113,13 +113,14 @@ def test_shared_prefix(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_prefix_onboarded_from_the_cpu_tier(layout):
+@pytest.mark.parametrize("layerwise", [False, True])  # True: the prefill is stored layer by layer
+def test_prefix_onboarded_from_the_cpu_tier(layout, layerwise):
     rng = random.Random(4)
     prefix = [rng.randrange(512) for _ in range(24)]
     first = {0: [*prefix, 1, 2, 3]}
     fillers = {i: [rng.randrange(512) for _ in range(40)] for i in (1, 2)}
     later = {3: [*prefix, 9, 8, 7, 6]}
-    e = Engine(num_gpu_blocks=24, layout=layout, offload="write_through", record_logits=True)
+    e = Engine(num_gpu_blocks=24, layout=layout, offload="write_through", record_logits=True, layerwise=layerwise)
     for group in (first, fillers, later):  # one after another: the fillers evict the prefix from the GPU
         for rid, p in group.items():
             e.add_request(rid, p, MAX_TOKENS)

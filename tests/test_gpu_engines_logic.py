@@ -311,3 +311,46 @@ def test_a_plan_failing_after_some_copies_were_issued_fails_only_once_they_have_
     assert "injected fault on the second run" in str(h.error)
     if num_layers:
         assert not h.wait_layer(num_layers - 1)
+
+
+@pytest.mark.parametrize("kind", ["cuda", "cupy"])
+def test_a_gated_store_issues_each_layer_only_when_compute_opens_it(monkeypatch, kind):
+    """A prefill's layer is copied after the kernels that wrote it; nothing is issued before it is opened."""
+    t = tiers("layer_first")
+    want = fill_random(t["GPU"], [3, 4], seed=11)
+    gpu, eng = fake_engine(monkeypatch, kind, t)
+    d2h = eng.streams["d2h"]
+    plan = TransferPlan(1, "GPU", "CPU", (3, 4), (2, 5), PlanKind.OFFLOAD, num_layers=SPEC.num_layers, gated=True)
+    h = eng.submit(plan)
+    assert not [op for op, _ in gpu.ops_on(d2h) if op in COPY_OPS] and not h.done()
+    with pytest.raises(PlanError, match="the next is 0, not 1"):
+        eng.open_layer(h, 1)
+    for layer in range(SPEC.num_layers):
+        gpu.log.clear()
+        eng.open_layer(h, layer)
+        waits = compute_waits_before_copies(gpu, d2h)
+        assert [ev.recorded_on for ev in waits] == [gpu.null]  # ordered after the compute stream, on the device
+        assert h.done() == (layer == SPEC.num_layers - 1)  # an ordinary event handle once the last is issued
+    assert h.wait() and h.num_opened == SPEC.num_layers
+    for g, c in ((3, 2), (4, 5)):
+        assert torch.equal(t["CPU"].block(c), want[g])
+    with pytest.raises(PlanError, match="not gated"):
+        eng.open_layer(eng.submit(swap_out(2, (6,), (6,))), 0)
+
+
+@pytest.mark.parametrize("kind", ["cuda", "cupy"])
+def test_a_gated_store_never_opened_is_cancelled_or_ended_at_close(monkeypatch, kind):
+    t = tiers("block_contiguous")
+    _gpu, eng = fake_engine(monkeypatch, kind, t)
+    gated = {"num_layers": SPEC.num_layers, "gated": True}
+    a = eng.submit(TransferPlan(1, "GPU", "CPU", (3,), (2,), PlanKind.OFFLOAD, **gated))
+    b = eng.submit(TransferPlan(2, "GPU", "CPU", (4,), (5,), PlanKind.OFFLOAD, **gated))
+    c = eng.submit(TransferPlan(3, "GPU", "CPU", (6,), (7,), PlanKind.OFFLOAD, **gated))
+    with pytest.raises(PlanError, match="already in flight"):
+        eng.submit(TransferPlan(1, "GPU", "CPU", (8,), (8,), PlanKind.OFFLOAD, **gated))
+    assert eng.cancel(a) and a.status is TransferStatus.CANCELLED
+    eng.open_layer(b, 0)
+    assert eng.cancel(b) is False  # a layer is on the stream: it cannot be recalled
+    eng.close()
+    assert c.status is TransferStatus.CANCELLED
+    assert b.done() and b.status is TransferStatus.FAILED and "closed before every layer" in str(b.error)

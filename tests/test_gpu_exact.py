@@ -84,13 +84,14 @@ def test_shared_prefix_on_cuda(kind, layout):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_prefix_onboarded_from_the_pinned_cpu_tier(kind, layout):
+@pytest.mark.parametrize("layerwise", [False, True])  # True: the prefill is stored layer by layer
+def test_prefix_onboarded_from_the_pinned_cpu_tier(kind, layout, layerwise):
     rng = random.Random(4)
     prefix = [rng.randrange(512) for _ in range(24)]
     first = {0: [*prefix, 1, 2, 3]}
     fillers = {i: [rng.randrange(512) for _ in range(40)] for i in (1, 2)}
     later = {3: [*prefix, 9, 8, 7, 6]}
-    e = engine(kind, num_gpu_blocks=24, layout=layout, offload="write_through")
+    e = engine(kind, num_gpu_blocks=24, layout=layout, offload="write_through", layerwise=layerwise)
     for group in (first, fillers, later):
         for rid, p in group.items():
             e.add_request(rid, p, MAX_TOKENS)

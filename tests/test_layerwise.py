@@ -14,7 +14,7 @@ import pytest
 from test_engine_exact import LAYOUTS, check, prompts, run
 
 from tiered_kv.core import Request
-from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError
+from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, PlanError
 from tiered_kv.manager import CostModel, PreemptMode, Residency, TierManager
 from tiered_kv.sched import RequestStatus, Scheduler, SchedulerConfig
 from tiered_kv.storage.spec import KVSpec
@@ -237,3 +237,103 @@ def test_compute_reaches_layer_i_before_layer_i_is_copied():
     assert e.copy.layered and not timeouts
     assert sorted(asked) == [(pid, i) for pid in sorted(e.copy.layered) for i in range(2)]
     check(e, ps, "block_contiguous", exact_logits=True)
+
+
+# ------------------------------------------------------------------ layer-wise stores of a prefill
+class Gating(CpuCopyEngine):
+    """Records the gated stores and every open, with the forward pass's layers in between."""
+
+    def __init__(self, tiers, **kw):
+        super().__init__(tiers, **kw)
+        self.gated: list[int] = []
+        self.events: list[tuple] = []
+
+    def submit(self, plan):
+        if plan.gated:
+            self.gated.append(plan.plan_id)
+        return super().submit(plan)
+
+    def open_layer(self, handle, layer, stream=None):
+        self.events.append(("open", handle.plan.plan_id, layer))
+        super().open_layer(handle, layer, stream)
+
+
+def test_a_prefill_is_stored_layer_by_layer_as_the_forward_pass_writes_it():
+    engines = []
+
+    def make(tiers):
+        engines.append(Gating(tiers))
+        return engines[-1]
+
+    from tiered_kv.engine.engine import Engine
+
+    ps = prompts(7, n=3)
+    e = Engine(num_gpu_blocks=64, offload="write_through", layerwise=True, record_logits=True, copy_engine=make)
+    eng = engines[0]
+    for i, layer in enumerate(e.model.layers):
+        layer.register_forward_hook(lambda *a, i=i: eng.events.append(("layer", i)))
+    for rid, p in ps.items():
+        e.add_request(rid, p, 10)
+    e.run()
+    e.close()
+    c = e.metrics().counters
+    assert eng.gated and c.offload_blocks > 0
+    layers = len(e.model.layers)
+    for pid in eng.gated:
+        opens = [k for k, ev in enumerate(eng.events) if ev[0] == "open" and ev[1] == pid]
+        assert [eng.events[k][2] for k in opens] == list(range(layers))
+        # Each layer is opened right after the forward pass computed it, not after the step.
+        assert all(eng.events[k - 1] == ("layer", eng.events[k][2]) for k in opens)
+    check(e, ps, "block_contiguous", exact_logits=True)
+    e.scheduler.tm.check_invariants()
+
+
+def test_a_layerwise_store_failing_at_layer_k_stores_nothing_and_loses_nothing():
+    failed: list[int] = []
+
+    class FailsStoreAtLayer1(Gating):
+        def copy_run_layer(self, plan, run, layer, non_blocking=False):
+            if plan.gated and layer == 1 and plan.plan_id not in failed:
+                failed.append(plan.plan_id)
+                raise RuntimeError("injected store fault at layer 1")
+            super().copy_run_layer(plan, run, layer, non_blocking)
+
+    from tiered_kv.engine.engine import Engine
+
+    ps = prompts(7, n=3)
+    e = Engine(
+        num_gpu_blocks=64, offload="write_through", layerwise=True, record_logits=True, copy_engine=FailsStoreAtLayer1
+    )
+    for rid, p in ps.items():
+        e.add_request(rid, p, 10)
+    e.run()
+    e.close()
+    c = e.metrics().counters
+    assert failed and c.plans_failed == len(failed) and c.offload_blocks == 0
+    assert e.metrics().cpu_cached_blocks == 0  # nothing half-stored was published
+    check(e, ps, "block_contiguous", exact_logits=True)
+    e.scheduler.tm.check_invariants()
+
+
+def test_a_gated_store_is_copied_only_once_its_layers_are_open():
+    eng = ControlledCopyEngine({"GPU": 16, "CPU": 16})
+    tm = TierManager(16, 16, 4, eng, kv_spec=SPEC, offload="write_through")
+    s = Scheduler(tm, SchedulerConfig(layerwise=True))
+    s.add_request(Request("A", list(range(10)), max_tokens=2))
+    out = s.schedule()
+    h = out.saves["A"]
+    assert h.plan.gated and h.plan.num_layers == 3 and h.plan.src_block_ids == (1, 2)  # two full prompt blocks
+    with pytest.raises(PlanError, match="layer 0 is not opened"):
+        eng.complete(h.plan.plan_id)
+    eng.open_layer(h, 0)
+    with pytest.raises(PlanError, match="the next is 1, not 2"):
+        eng.open_layer(h, 2)
+    assert eng.complete_all() == [] and h.num_opened == 1  # still gated: layers 1 and 2 are not written
+    s.update(out, {"A": 1})  # the step is computed: update opens what the driver did not
+    assert h.num_opened == 3
+    eng.complete_all()
+    s.settle()
+    assert tm.metrics().counters.offload_blocks == 2 and tm.metrics().cpu_cached_blocks == 2
+    with pytest.raises(InvalidArgumentError, match="num_tokens_after_step"):
+        tm.start_layerwise_store("A", 99)
+    assert tm.plans_in_flight() == []

@@ -20,8 +20,11 @@ class MultiModalFeature:
     length: int
 
 
+_INT = frozenset({int})
+
+
 def _check_tokens(request_id: Hashable, tokens: Sequence[int]) -> None:
-    if not all(t.__class__ is int for t in tokens):
+    if not set(map(type, tokens)) <= _INT:  # one C-level pass (bools are refused too: their type is bool)
         bad = next(t for t in tokens if t.__class__ is not int)
         raise InvalidArgumentError(f"request {request_id!r}: token ids must be ints, got {checks.describe(bad)}")
 

@@ -68,10 +68,12 @@ class Engine:
         cost_model: For the cost-aware policy (e.g. from ``tiered-kv crossover``).
         copy_engine: Factory ``tiers -> engine``; default: CUDA streams on a GPU, else CPU threads.
         record_logits: Keep the logits every sampled token came from.
-        layerwise: Resume swapped requests layer by layer: a resumed request
-            computes in the step its load starts, layer ``i`` waiting only for
-            layer ``i`` of the load (on CUDA the compute stream waits on the
-            layer's event; on the CPU the host waits for the layer).
+        layerwise: Move KV layer by layer.  A resumed request computes in the
+            step its load starts, layer ``i`` waiting only for layer ``i`` of
+            the load (on CUDA the compute stream waits on the layer's event; on
+            the CPU the host waits for the layer).  With write-through, a
+            prefill's blocks are stored layer by layer as the forward pass
+            writes them.
         metrics_port: Serve Prometheus metrics on this port of 127.0.0.1 (0: a
             free port; see :meth:`serve_metrics`).  Needs the metrics extra.
         disk_dir / disk_bytes: A disk tier below the CPU tier, in this directory,
@@ -243,7 +245,11 @@ class Engine:
                 hist[-1] = list(table)
             load = out.loads.get(rid)
             wait = None if load is None else (lambda i, h=load: self._wait_layer(h, i))
-            logits = self.model.forward_chunk(req.all_token_ids[c : c + n], c, table, kv, before_layer=wait)
+            save = out.saves.get(rid)
+            opened = None if save is None else (lambda i, h=save: self.copy.open_layer(h, i))
+            logits = self.model.forward_chunk(
+                req.all_token_ids[c : c + n], c, table, kv, before_layer=wait, after_layer=opened
+            )
             if logits is None:
                 continue  # its load failed: update() discards its step
             if c + n == req.num_tokens:

@@ -160,6 +160,7 @@ class TinyLlama(nn.Module):
         block_table: list[int],
         kv: KVStorage,
         before_layer: Callable[[int], bool] | None = None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor | None:
         """Compute tokens ``[start, start + len(token_ids))`` of one request.
 
@@ -171,6 +172,8 @@ class TinyLlama(nn.Module):
             before_layer: Called with ``i`` before layer ``i`` touches its KV
                 (a layer-wise load: wait for that layer).  If it returns False
                 the KV will never arrive: the pass stops and returns ``None``.
+            after_layer: Called with ``i`` once layer ``i`` has written its KV
+                (a layer-wise store may copy that layer now).
 
         Returns:
             Logits ``[len(token_ids), vocab]`` (float32), or ``None`` (see ``before_layer``).
@@ -188,4 +191,6 @@ class TinyLlama(nn.Module):
                 return None
             k_cache, v_cache = kv.layer_kv(i)
             x = layer(x, positions, k_cache, v_cache, table, slot_blocks, slot_offsets, start + n)
+            if after_layer is not None:
+                after_layer(i)
         return self.lm_head(self.norm(x)).float()

@@ -44,7 +44,9 @@ class Offloader:
         self.transfers = transfers
         self.refused = 0  # stores the store had no room for
 
-    def _store(self, blocks: list[KVCacheBlock], keys: list[Key], rid: object, in_place: bool) -> Transfer | None:
+    def _store(
+        self, blocks: list[KVCacheBlock], keys: list[Key], rid: object, in_place: bool, num_layers: int = 0
+    ) -> Transfer | None:
         prep = self.store.prepare_store(keys)
         if prep is None:
             self.refused += 1
@@ -54,15 +56,23 @@ class Offloader:
         by_key = dict(zip(keys, blocks, strict=True))
         src = [by_key[k] for k in prep.keys_to_store]
         ids = [b.block_id for b in src]
-        plan = self.transfers.plan(GPU, CPU, ids, prep.store_spec.block_ids, PlanKind.OFFLOAD, rid)
+        plan = self.transfers.plan(
+            GPU, CPU, ids, prep.store_spec.block_ids, PlanKind.OFFLOAD, rid, num_layers=num_layers, gated=num_layers > 0
+        )
         return self.transfers.start(plan, gpu_holds=src, in_place=in_place, payload=_Store(list(prep.keys_to_store)))
 
-    def write_through(self, request: Request, start: int, end: int) -> Transfer | None:
-        """Store full blocks ``[start, end)`` of a running request (their KV is final and written)."""
+    def write_through(self, request: Request, start: int, end: int, gated_layers: int = 0) -> Transfer | None:
+        """Store full blocks ``[start, end)`` of a running request.
+
+        Their KV is final and written; or, with ``gated_layers``, it is being
+        written by the step about to run, and the copy of each layer waits
+        for compute to open it (a layer-wise store of a prefill).
+        """
         if len(request.block_hashes) < end:
             self.gpu.hasher.update(request)
         table = self.gpu.get_blocks(request.request_id)
-        return self._store(list(table[start:end]), list(request.block_hashes[start:end]), request.request_id, False)
+        keys = list(request.block_hashes[start:end])
+        return self._store(list(table[start:end]), keys, request.request_id, False, gated_layers)
 
     def save_window(self, window: int) -> Transfer | None:
         """Store the cached blocks among the first ``window`` of the GPU free queue that the store lacks.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import ClassVar
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
@@ -76,7 +77,7 @@ class Candidate:
 class VictimPolicy:
     """Base class: rank candidates by :meth:`key` (smallest first = preempted first)."""
 
-    name = "base"
+    name: ClassVar[str] = "base"
 
     def key(self, c: Candidate, mode: str) -> tuple:
         raise NotImplementedError
@@ -93,7 +94,12 @@ class VictimPolicy:
             return
         # Best first: sorted by the cheap bound, exact keys on a heap; the heap's minimum is final
         # once every unexamined candidate's bound is larger, since exact keys are at least their bounds.
-        bounded = sorted(((self.lower_key(c, mode), i) for i, c in enumerate(candidates)), key=lambda t: t[0])
+        bounds: list[tuple[tuple, int]] = []
+        for i, c in enumerate(candidates):
+            b = self.lower_key(c, mode)
+            assert b is not None  # a policy's bound exists for every candidate or for none
+            bounds.append((b, i))
+        bounded = sorted(bounds, key=lambda t: t[0])
         heap: list[tuple[tuple, int]] = []
         j = 0
         while True:
@@ -112,7 +118,7 @@ class VictimPolicy:
 class LRUPolicy(VictimPolicy):
     """vLLM v1's order: the last request of the running queue (or the lowest priority) first."""
 
-    name = "lru"
+    name: ClassVar[str] = "lru"
 
     def key(self, c: Candidate, mode: str) -> tuple:
         return (-c.rank,)
@@ -121,7 +127,7 @@ class LRUPolicy(VictimPolicy):
 class LargestPolicy(VictimPolicy):
     """Most GPU blocks first: frees the most memory per preemption."""
 
-    name = "largest"
+    name: ClassVar[str] = "largest"
 
     def key(self, c: Candidate, mode: str) -> tuple:
         return (-c.num_gpu_blocks, -c.rank)
@@ -135,7 +141,7 @@ class PrefillAwarePolicy(VictimPolicy):
     request with the least computed work goes first.
     """
 
-    name = "prefill_aware"
+    name: ClassVar[str] = "prefill_aware"
 
     def key(self, c: Candidate, mode: str) -> tuple:
         return (c.is_prefilling, c.num_computed_tokens, -c.rank)
@@ -144,7 +150,7 @@ class PrefillAwarePolicy(VictimPolicy):
 class CostAwarePolicy(VictimPolicy):
     """Least time lost per GPU block freed, with the mode its quote chooses."""
 
-    name = "cost_aware"
+    name: ClassVar[str] = "cost_aware"
 
     def __init__(self, cost_model: CostModel | None = None) -> None:
         self.cost_model = cost_model  # enables the cheap lower bound
@@ -157,10 +163,12 @@ class CostAwarePolicy(VictimPolicy):
     def lower_key(self, c: Candidate, mode: str) -> tuple | None:
         """Per-block cost bound without pricing the candidate.
 
-        It frees at most ``num_gpu_blocks`` blocks and a swap copies each freed
-        block both ways at full bandwidth, so per block: swap >= one block's
-        bytes out and in; recompute >= its whole recompute time / table size.
-        A 1-tuple sorts before any longer tuple with the same first element.
+        It frees at most ``num_gpu_blocks`` blocks, and every block a swap
+        frees comes back in at full bandwidth at best, so per block: swap >=
+        one block's bytes in (not out: blocks the CPU tier holds already are
+        not copied out again); recompute >= its whole recompute time / table
+        size.  A 1-tuple sorts before any longer tuple with the same first
+        element.
         """
         cm = self.cost_model
         if cm is None:
@@ -168,7 +176,7 @@ class CostAwarePolicy(VictimPolicy):
         n_max = c.num_gpu_blocks
         if n_max == 0:
             return (math.inf,)
-        swap = cm.swap_out_time(1, 0) + cm.swap_in_time(1, 0)
+        swap = cm.swap_in_time(1, 0)
         rec = cm.recompute_time(c.num_computed_tokens) / n_max
         bound = swap if mode == "swap" else rec if mode == "recompute" else min(swap, rec)
         return (bound * (1 - 1e-9),)  # rounding must never lift the bound above the exact key

@@ -76,12 +76,26 @@ class Transfers:
         request_id: Hashable | None,
         urgent: bool = False,
         num_layers: int = 0,
+        gated: bool = False,
     ) -> TransferPlan:
-        """A new plan with the next id (not submitted yet); ``num_layers`` > 0: copied and reported layer by layer."""
+        """A new plan with the next id (not submitted yet).
+
+        ``num_layers`` > 0: copied and reported layer by layer; ``gated``: each
+        layer waits until compute opens it (see ``TransferPlan.gated``).
+        """
         pid = self._next_id
         self._next_id += 1
         return TransferPlan(
-            pid, src_medium, dst_medium, tuple(src_ids), tuple(dst_ids), kind, request_id, urgent, num_layers=num_layers
+            pid,
+            src_medium,
+            dst_medium,
+            tuple(src_ids),
+            tuple(dst_ids),
+            kind,
+            request_id,
+            urgent,
+            num_layers=num_layers,
+            gated=gated,
         )
 
     def start(

@@ -27,6 +27,11 @@ class SchedulerOutput:
             request, wait for layer ``i`` of its handle (``wait_layer``, or on
             a CUDA engine ``make_compute_wait(handle, layer=i)``).  If the load
             fails, :meth:`Scheduler.update` discards that request's step.
+        saves: Scheduled requests whose prompt blocks completed this step are
+            stored layer by layer as the step computes them (layer-wise
+            write-through): after computing layer ``i`` of such a request,
+            open it (``open_layer(handle, i)`` on the copy engine).
+            :meth:`Scheduler.update` opens any layer the driver did not.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
@@ -36,6 +41,7 @@ class SchedulerOutput:
     resumed: list[Hashable] = field(default_factory=list)
     admitted: list[Hashable] = field(default_factory=list)
     loads: dict[Hashable, TransferHandle] = field(default_factory=dict)
+    saves: dict[Hashable, TransferHandle] = field(default_factory=dict)
 
     def needs_sample(self, request: Request, num_new_tokens: int) -> bool:
         """Whether computing these tokens reaches the end of the request's known tokens (a token is sampled)."""

@@ -37,21 +37,22 @@ from collections.abc import Callable, Hashable, Mapping
 
 from tiered_kv import checks
 from tiered_kv.core.request import Request
-from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
+from tiered_kv.errors import InvalidArgumentError, UnknownRequestError
 from tiered_kv.manager.metrics import MetricsSnapshot
-from tiered_kv.manager.outcomes import Completion, Preemption
-from tiered_kv.manager.policies import Candidate, get_policy, select_victims
-from tiered_kv.manager.states import PreemptMode, Residency
+from tiered_kv.manager.outcomes import Completion
+from tiered_kv.manager.policies import get_policy
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched.config import SchedulerConfig
+from tiered_kv.sched.consistency import check_consistency
 from tiered_kv.sched.output import SchedulerOutput
+from tiered_kv.sched.preemption import Preempting
 from tiered_kv.sched.status import MOVING, RequestStatus
 from tiered_kv.transfer.plan import PlanKind, TransferHandle
 
 S = RequestStatus
 
 
-class Scheduler:
+class Scheduler(Preempting):
     """Continuous batching with preemption by swap or recompute.
 
     Args:
@@ -71,6 +72,7 @@ class Scheduler:
         self._high_water: dict[Hashable, int] = {}  # recompute victims: tokens they had computed
         self._aborting: set[Hashable] = set()
         self._loads: dict[Hashable, TransferHandle] = {}  # layer-wise swap-ins not settled yet
+        self._arriving: set[Hashable] = set()  # LOADING or SWAPPING_IN: they hold a seat
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
         self.copies_landed = 0
@@ -155,6 +157,7 @@ class Scheduler:
                 continue
             req = self.requests[c.request_id]
             rid = req.request_id
+            self._arriving.discard(rid)
             if c.kind is PlanKind.SWAP_OUT:
                 self.status[rid] = S.SWAPPED if c.ok else S.RUNNING
                 if not c.ok:
@@ -198,6 +201,7 @@ class Scheduler:
         promised = self.tm.blocks_freed_on_completion()
         scheduled: set[Hashable] = set()
         status, allocate, chunked = self.status, self.tm.allocate, self.config.chunked_prefill
+        high_water, loads, batch = self._high_water, self._loads, out.scheduled
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -214,16 +218,34 @@ class Scheduler:
                 fits, promised = self._make_room(req, n, scheduled, promised, out)
                 if not fits:
                     continue
-            self._add(out, req, n)
+            if high_water:
+                self._add(out, req, n)
+            else:  # _add without recompute marks to check: the hot path of every running request
+                batch.append((req, n))
+                out.num_tokens += n
             scheduled.add(rid)
             budget -= n
-            if self._loads and rid in self._loads:
-                out.loads[rid] = self._loads[rid]
+            if loads and rid in loads:
+                out.loads[rid] = loads[rid]
         if not out.preempted:
             budget = self._resume(out, budget)
         if not self.swapped and not out.preempted:
             self._admit(out, budget)
+        if self.config.layerwise:
+            self._start_layerwise_stores(out)
         return out
+
+    def _start_layerwise_stores(self, out: SchedulerOutput) -> None:
+        """Prompt blocks this step completes are stored layer by layer while it computes them."""
+        for req, n in out.scheduled:
+            rid = req.request_id
+            if rid in out.loads or req.num_computed_tokens >= req.num_prompt_tokens:
+                continue  # its KV is still arriving, or it is decoding: nothing of the prompt to store
+            plan = self.tm.start_layerwise_store(rid, req.num_computed_tokens + n)
+            if plan is not None:
+                handle = self.tm.handle(plan.plan_id)
+                if handle is not None:
+                    out.saves[rid] = handle
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.scheduled.append((req, n))
@@ -236,69 +258,9 @@ class Scheduler:
                 if c + n >= mark:
                     del self._high_water[req.request_id]
 
-    def _make_room(
-        self, req: Request, n: int, scheduled: set[Hashable], promised: int, out: SchedulerOutput
-    ) -> tuple[bool, int]:
-        """Allocate ``n`` tokens for ``req``, preempting others if needed; (fits, promised blocks left)."""
-        tm, rid = self.tm, req.request_id
-        for i in range(len(self.running) + 1):  # each round preempts at least one victim, or ends
-            if i and tm.allocate(rid, n) is not None:  # the caller tried once already
-                return True, promised
-            short = tm.blocks_short(rid, n)
-            if short <= promised:
-                return False, promised - short  # copies in flight will free enough: wait for them
-            victims = select_victims(
-                self.policy, self._candidates(scheduled | {rid}), short - promised, self.config.mode, tm.cpu_room()
-            )
-            if victims is None:
-                if rid in self._loads:  # its KV is still landing: it cannot be preempted now; it waits
-                    return False, promised
-                self._preempt(req, out)  # nobody else can make room: vLLM preempts the request itself
-                return False, promised
-            for v in victims:
-                promised += self._preempt(self.requests[v.request_id], out).blocks_freed_on_completion
-        raise AssertionError(f"request {rid!r}: preemption did not make room")  # pragma: no cover
-
-    def _candidates(self, exclude: set[Hashable]) -> list[Candidate]:
-        """Running requests that may be preempted, ranked by vLLM's rule (higher rank goes first)."""
-        status, loads = self.status, self._loads
-        if self.config.scheduling == "fcfs":
-            order = list(self.running)
-        else:
-            order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return [
-            Candidate(
-                r.request_id,
-                rank,
-                len(self.tm.gpu_block_ids(r.request_id)),
-                r.num_computed_tokens,
-                r.num_prompt_tokens,
-                self.tm.quote,
-            )
-            for rank, r in enumerate(order)
-            if r.request_id not in exclude and status[r.request_id] is S.RUNNING and r.request_id not in loads
-        ]
-
-    def _preempt(self, req: Request, out: SchedulerOutput) -> Preemption:
-        rid = req.request_id
-        p = self.tm.preempt(rid, self.config.mode) or self.tm.preempt(rid, "auto")  # forced swap impossible
-        assert p is not None
-        self.running.remove(req)
-        req.num_preemptions += 1
-        out.preempted.append((rid, p.mode))
-        if p.mode is PreemptMode.SWAP:
-            self.status[rid] = S.SWAPPED if p.residency is Residency.CPU else S.SWAPPING_OUT
-            self.swapped.append(req)
-        else:
-            self._high_water[rid] = max(self._high_water.get(rid, 0), req.num_computed_tokens)
-            req.num_computed_tokens = 0
-            self.status[rid] = S.WAITING
-            self.waiting.appendleft(req)
-        return p
-
     def _num_admitted(self) -> int:
         """Requests holding a seat: running, or with KV arriving (loading, swapping in)."""
-        return len(self.running) + sum(1 for s in self.status.values() if s is S.LOADING or s is S.SWAPPING_IN)
+        return len(self.running) + len(self._arriving)
 
     def _resume(self, out: SchedulerOutput, budget: int) -> int:
         """Resume swapped requests, oldest first; return the token budget left."""
@@ -317,6 +279,7 @@ class Scheduler:
             out.resumed.append(rid)
             if res.plan is not None and not layered:
                 self.status[rid] = S.SWAPPING_IN
+                self._arriving.add(rid)
                 continue
             req.num_computed_tokens = res.num_tokens
             self.status[rid] = S.RUNNING
@@ -371,6 +334,7 @@ class Scheduler:
                 budget -= res.num_new_tokens
             else:
                 self.status[rid] = S.LOADING
+                self._arriving.add(rid)
 
     # ---------------------------------------------------------------- update
     def update(self, out: SchedulerOutput, sampled: Mapping[Hashable, int]) -> list[Request]:
@@ -384,37 +348,44 @@ class Scheduler:
         are settled here, so call this after the step's compute, which waited
         for every layer.
         """
-        failed = {rid for rid, h in out.loads.items() if not h.wait()}  # waits only: nothing changes yet
+        loads = out.loads
+        failed = {rid for rid, h in loads.items() if not h.wait()} if loads else ()  # waits only: nothing changes
         need = 0
         for r, n in out.scheduled:  # check everything before changing anything
-            if r.request_id in failed:
-                continue
             if r.num_computed_tokens + n == len(r.all_token_ids):
+                rid = r.request_id
+                if failed and rid in failed:
+                    continue
                 need += 1
-                t = sampled.get(r.request_id)
+                t = sampled.get(rid)
                 if t.__class__ is not int:
                     raise InvalidArgumentError(
-                        f"request {r.request_id!r} reached the end of its tokens: sampled must map it to an int "
+                        f"request {rid!r} reached the end of its tokens: sampled must map it to an int "
                         f"token, got {checks.describe(t)}"
                     )
-        extra = len(sampled) - sum(1 for rid in failed if rid in sampled)
+        extra = len(sampled) - (sum(1 for rid in failed if rid in sampled) if failed else 0)
         if extra != need:
             raise InvalidArgumentError(f"sampled has {extra} entries, but {need} requests sampled a token")
-        for h in out.loads.values():
+        for h in out.saves.values():  # the step has computed every layer: whatever the driver did not open
+            self.tm.open_all_layers(h)
+        for h in loads.values():
             if self.tm.handle(h.plan.plan_id) is h:  # not settled by an abort meanwhile
                 self._apply([self.tm.process_completion(h)])
         finished: list[Request] = []
         on_tokens_computed = self.tm.on_tokens_computed
+        status, running = self.status, S.RUNNING
         for req, n in out.scheduled:
-            if req.request_id in failed or self.status.get(req.request_id) is not S.RUNNING:
+            rid = req.request_id
+            if status.get(rid) is not running or (failed and rid in failed):
                 continue  # its load failed (or it was aborted meanwhile): this step did not count
-            in_prompt = req.num_computed_tokens < req.num_prompt_tokens
-            req.num_computed_tokens += n
-            if in_prompt:
-                on_tokens_computed(req.request_id)
-            if req.num_computed_tokens == len(req.all_token_ids):
-                req.all_token_ids.append(sampled[req.request_id])
-                if len(req.all_token_ids) - req.num_prompt_tokens >= req.max_tokens:
+            c = req.num_computed_tokens
+            req.num_computed_tokens = c + n
+            if c < req.num_prompt_tokens:
+                on_tokens_computed(rid)
+            tokens = req.all_token_ids
+            if c + n == len(tokens):
+                tokens.append(sampled[rid])
+                if len(tokens) - req.num_prompt_tokens >= req.max_tokens:
                     self._finish(req)
                     finished.append(req)
         return finished
@@ -430,26 +401,8 @@ class Scheduler:
         del self.status[rid]
         self._high_water.pop(rid, None)
         self._loads.pop(rid, None)
+        self._arriving.discard(rid)
 
     def check_consistency(self) -> None:
         """Assert that queues, statuses and the manager's residencies agree (for tests)."""
-        for rid, st in self.status.items():
-            res = self.tm.residency(rid) if self.tm.holds(rid) else None
-            expect = {
-                S.WAITING: None,
-                S.LOADING: Residency.LOADING,
-                S.RUNNING: Residency.GPU,
-                S.SWAPPING_OUT: Residency.SWAPPING_OUT,
-                S.SWAPPED: Residency.CPU,
-                S.SWAPPING_IN: Residency.SWAPPING_IN,
-            }[st]
-            if rid in self._loads:  # running while its KV lands layer by layer
-                expect = Residency.SWAPPING_IN
-            assert res is expect, f"{rid!r}: status {st.value} but residency {res}"
-        assert {r.request_id for r in self.running} == {k for k, s in self.status.items() if s is S.RUNNING}
-        assert {r.request_id for r in self.waiting} == {k for k, s in self.status.items() if s is S.WAITING}
-        swapping = (S.SWAPPING_OUT, S.SWAPPED)
-        assert {r.request_id for r in self.swapped} == {k for k, s in self.status.items() if s in swapping}
-        for rid, st in self.status.items():
-            if st is S.WAITING and self.requests[rid].num_computed_tokens != 0:
-                raise InvalidTransitionError(f"{rid!r} waits with computed tokens")
+        check_consistency(self)

@@ -1,48 +1,93 @@
-"""Per-step compute time from a roofline.
+"""Per-step compute time: a roofline with the terms that matter at moderate batch sizes.
 
-For a batch whose scheduled requests compute ``n`` new tokens after ``c``
-cached ones:
+For a batch of ``B`` requests computing ``n`` new tokens each after ``c``
+cached ones, of which ``S`` sample a token:
 
-* FLOPs = ``2 * params * sum(n)`` (the dense layers) plus attention
-  ``2 * layers * attn_dim * ((c + n)^2 - c^2)`` per request (QK^T and PV over a
-  causal context; for a decode token, ``4 * layers * attn_dim * c``);
-* bytes = the weights once, plus every scheduled request's KV read
-  (``(c + n) * kv_bytes_per_token``) and its new KV written;
-* step time = ``overhead + max(FLOPs / (peak * MFU), bytes / (HBM bandwidth * efficiency))``.
+* compute: ``2 * P * sum(n)`` FLOPs of the dense layers, where ``P`` excludes
+  the embedding table (looked up, not multiplied) and the LM head; plus
+  ``2 * vocab * hidden * S`` for the LM head (vLLM computes logits only where
+  it samples); plus attention ``2 * layers * attn_dim * ((c + n)^2 - c^2)``
+  per request (QK^T and PV over a causal context);
+* memory: the streamed weights once (every matrix multiplied; not the
+  embedding table) plus every scheduled request's KV, ``(c + n) * kv_bytes``;
+* tensor parallelism: two all-reduces of the step's hidden states per layer
+  (after attention and after the MLP), each ``sum(n) * hidden * dtype`` bytes,
+  priced by the hardware's all-reduce profile;
+* engine overheads: a per-step cost (launches, scheduling, sampling set-up)
+  and a per-sequence cost (input preparation, sampling, detokenisation).
 
-Prefill-heavy steps land on the compute roof, decode-heavy steps on the memory roof.
+``step = per_step + per_seq * B + max(compute / (peak * mfu), memory /
+(HBM * hbm_efficiency)) + all-reduce``.
 
-A calibrated engine (``tiered-kv crossover``) replaces the roofline with a
-fitted linear step model: ``intercept + per_token * tokens + per_attn_unit *
-attention units + per_kv_token * KV tokens + per_seq * requests``, whose
-per-request term carries the scheduler's and manager's own overhead.
+The coefficients (``mfu``, ``hbm_efficiency``, ``per_step``, ``per_seq``)
+come from the hardware profile, where they were fitted to published serving
+measurements (the fit and its residuals sit beside them in the YAML, and
+``tiered-kv validate`` prints predicted against published).  A calibrated
+engine (``tiered-kv crossover``) replaces the whole model with a fitted
+linear step model: ``intercept + per_token * tokens + per_attn_unit *
+attention units + per_kv_token * KV tokens + per_seq * requests``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiered_kv.sim.profiles import HardwareProfile, ModelProfile
 
 
 @dataclass(frozen=True, slots=True)
 class ComputeModel:
+    """The step-time model of one GPU running one model (see the module docstring).
+
+    Attributes:
+        hw, model: The profiles.
+        mfu: Fraction of peak BF16 FLOPs reached by compute-bound work.
+        hbm_efficiency: Fraction of datasheet HBM bandwidth reached by weight and KV reads.
+        step_overhead_s: Fixed cost of one step.
+        fixed_step_s: Tests: every step takes exactly this long.
+        linear: A calibrated linear step model (see module doc); replaces the roofline.
+        per_seq_s: Cost of each request in the step.
+    """
+
     hw: HardwareProfile
     model: ModelProfile
     mfu: float = 0.5
     hbm_efficiency: float = 0.8
     step_overhead_s: float = 5e-4
-    fixed_step_s: float | None = None  # tests: every step takes exactly this long
-    linear: tuple[float, float, float, float, float] | None = None  # calibrated step model, see module doc
+    fixed_step_s: float | None = None
+    linear: tuple[float, float, float, float, float] | None = None
+    per_seq_s: float = 0.0
+    _flops_per_token: float = field(init=False, repr=False, compare=False)
+    _flops_per_sample: float = field(init=False, repr=False, compare=False)
+    _flops_per_attn: float = field(init=False, repr=False, compare=False)
+    _compute_rate: float = field(init=False, repr=False, compare=False)
+    _memory_rate: float = field(init=False, repr=False, compare=False)
 
-    def step_time(self, num_tokens: int, attn_units: float, kv_tokens: int, num_seqs: int = 1) -> float:
+    def __post_init__(self) -> None:
+        m = self.model
+        set_ = object.__setattr__
+        set_(self, "_flops_per_token", 2.0 * m.params_per_gpu)
+        set_(self, "_flops_per_sample", 2.0 * m.lm_head_params_per_gpu)
+        set_(self, "_flops_per_attn", 2.0 * m.num_layers * m.attn_dim_per_gpu)
+        set_(self, "_compute_rate", self.hw.peak_bf16_flops * self.mfu)
+        set_(self, "_memory_rate", self.hw.hbm_bytes_per_s * self.hbm_efficiency)
+
+    def step_time(
+        self,
+        num_tokens: int,
+        attn_units: float,
+        kv_tokens: int,
+        num_seqs: int = 1,
+        num_sampled: int | None = None,
+    ) -> float:
         """Seconds for one step.
 
         Args:
             num_tokens: Tokens computed in the step (all requests).
             attn_units: ``sum((c + n)^2 - c^2)`` over scheduled requests.
             kv_tokens: ``sum(c + n)``: KV tokens read (and, for the new ones, written).
-            num_seqs: Requests in the step (only the calibrated model uses it).
+            num_seqs: Requests in the step.
+            num_sampled: Requests that sample a token this step (default: all of them).
         """
         if self.fixed_step_s is not None:
             return self.fixed_step_s
@@ -50,17 +95,27 @@ class ComputeModel:
             a, b, c, d, e = self.linear
             return a + b * num_tokens + c * attn_units + d * kv_tokens + e * num_seqs
         m = self.model
-        flops = 2.0 * m.params_per_gpu * num_tokens + 2.0 * m.num_layers * m.attn_dim_per_gpu * attn_units
-        t_compute = flops / (self.hw.peak_bf16_flops * self.mfu)
-        nbytes = m.weight_bytes_per_gpu + kv_tokens * m.kv_bytes_per_token
-        t_memory = nbytes / (self.hw.hbm_bytes_per_s * self.hbm_efficiency)
-        return self.step_overhead_s + max(t_compute, t_memory)
+        sampled = num_seqs if num_sampled is None else num_sampled
+        flops = (
+            self._flops_per_token * num_tokens + self._flops_per_sample * sampled + self._flops_per_attn * attn_units
+        )
+        t_compute = flops / self._compute_rate
+        t_memory = (m.streamed_weight_bytes_per_gpu + kv_tokens * m.kv_bytes_per_token) / self._memory_rate
+        t = self.step_overhead_s + self.per_seq_s * num_seqs + (t_compute if t_compute > t_memory else t_memory)
+        if m.tensor_parallel > 1:
+            t += self.allreduce_time(num_tokens)
+        return t
+
+    def allreduce_time(self, num_tokens: int) -> float:
+        """Two all-reduces of the step's hidden states per layer (tensor parallelism only)."""
+        m = self.model
+        nbytes = num_tokens * m.allreduce_bytes_per_token
+        return 2 * m.num_layers * self.hw.allreduce.seconds(nbytes, m.tensor_parallel)
 
     def prefill_tokens_per_s(self) -> float:
         """Linear prefill throughput at the compute roof (for the manager's cost model)."""
-        return self.hw.peak_bf16_flops * self.mfu / (2.0 * self.model.params_per_gpu)
+        return self._compute_rate / self._flops_per_token
 
     def prefill_quadratic(self) -> float:
         """Seconds per token^2 of attention (the manager's cost model takes ``q * L^2 / 2``)."""
-        m = self.model
-        return 4.0 * m.num_layers * m.attn_dim_per_gpu / (self.hw.peak_bf16_flops * self.mfu)
+        return 2.0 * self._flops_per_attn / self._compute_rate

@@ -20,8 +20,10 @@ from tiered_kv.manager.policies import POLICIES
 from tiered_kv.sim.calibration import Calibration
 from tiered_kv.sim.compute import ComputeModel
 from tiered_kv.sim.files import read_yaml
-from tiered_kv.sim.profiles import HardwareProfile, ModelProfile, is_path_ref, load_hardware, load_model
+from tiered_kv.sim.link import LAYOUTS, MODES
+from tiered_kv.sim.profiles import HardwareProfile, LinkProfile, ModelProfile, is_path_ref, load_hardware, load_model
 from tiered_kv.sim.schema import (
+    REQUIRED,
     Field,
     choice,
     fraction,
@@ -58,11 +60,23 @@ def _length(default_dist: str, value: int) -> dict[str, Any]:
 
 RUN_SCHEMA = {
     "name": Field((str,)),
+    "note": Field((str,), ""),
+    "vs": Field((str,), None, nullable=True),
     "policy": choice("lru", *sorted(POLICIES)),
     "mode": choice("auto", "swap", "recompute", "auto"),
     "offload": choice("none", "none", "write_through", "on_evict"),
     "cpu_kv_gib": num(None, non_negative, nullable=True),
     "gpu_kv_gib": num(None, positive, nullable=True),
+    "copies": choice("async", *MODES),
+    "kv_layout": choice("block_contiguous", *LAYOUTS),
+    "coalesce": Field((bool,), True),
+}
+REGIME_SCHEMA = {
+    "name": Field((str,)),
+    "rate": num(REQUIRED, positive),
+    "num_requests": Field((int,), None, None, (positive,), nullable=True),
+    # what the regime is meant to show; the report checks it against the measurements
+    "expect": Field((str,), None, ("below", "over"), nullable=True),
 }
 
 SCHEMA: dict[str, Any] = {
@@ -82,18 +96,23 @@ SCHEMA: dict[str, Any] = {
         "cpu_blocks": Field((int,), None, None, (non_negative,), nullable=True),
     },
     "scheduler": {
-        "max_num_batched_tokens": integer(8192, positive),
-        "max_num_seqs": integer(256, positive),
+        # None: vLLM v1's defaults for the hardware (HardwareProfile.vllm_default_limits).
+        "max_num_batched_tokens": Field((int,), None, None, (positive,), nullable=True),
+        "max_num_seqs": Field((int,), None, None, (positive,), nullable=True),
         "chunked_prefill": Field((bool,), True),
     },
+    # Overrides of the hardware profile's fitted step model (None: the profile's).
     "compute": {
-        "mfu": num(0.5, fraction),
-        "hbm_efficiency": num(0.8, fraction),
-        "step_overhead_s": num(5e-4, non_negative),
+        "mfu": num(None, fraction, nullable=True),
+        "hbm_efficiency": num(None, fraction, nullable=True),
+        "step_overhead_s": num(None, non_negative, nullable=True),
+        "per_seq_s": num(None, non_negative, nullable=True),
         "fixed_step_s": num(None, positive, nullable=True),
     },
+    # Overrides of the hardware profile's link (None: the profile's).
     "link": {
         "gbps_per_direction": num(None, non_negative, nullable=True, allow_inf=True),
+        "bidir_gbps": num(None, non_negative, nullable=True, allow_inf=True),
         "per_copy_overhead_s": num(None, non_negative, nullable=True),
     },
     "workload": {
@@ -115,16 +134,58 @@ SCHEMA: dict[str, Any] = {
         "trace": Field((str,), None, nullable=True),
     },
     "runs": Field((list,), None, nullable=True),
+    "regimes": Field((list,), None, nullable=True),
     "sweep": {
         "gpu_kv_gib": Field((list,), None, nullable=True),
         "rate": Field((list,), None, nullable=True),
     },
 }
 
+# The runs of an experiment that names none: each effect on its own, each compared with the run it adds to.
 DEFAULT_RUNS = [
-    {"name": "recompute-only", "policy": "lru", "mode": "recompute", "offload": "none", "cpu_kv_gib": 0},
-    {"name": "always-swap", "policy": "lru", "mode": "swap", "offload": "none"},
-    {"name": "cost-aware+cpu-tier", "policy": "cost_aware", "mode": "auto", "offload": "write_through"},
+    {
+        "name": "recompute-only",
+        "note": "vLLM v1",
+        "policy": "lru",
+        "mode": "recompute",
+        "offload": "none",
+        "cpu_kv_gib": 0,
+    },
+    {
+        "name": "recompute+cpu-tier",
+        "note": "vLLM v1 + CPU offloading connector",
+        "vs": "recompute-only",
+        "policy": "lru",
+        "mode": "recompute",
+        "offload": "write_through",
+    },
+    {
+        "name": "always-swap",
+        "note": "vLLM v0, blocking swaps",
+        "vs": "recompute-only",
+        "policy": "lru",
+        "mode": "swap",
+        "offload": "none",
+        "copies": "blocking",
+        "kv_layout": "layer_first",
+        "coalesce": False,
+    },
+    {
+        "name": "cost-aware",
+        "note": "swap or recompute per victim, no CPU tier",
+        "vs": "recompute-only",
+        "policy": "cost_aware",
+        "mode": "auto",
+        "offload": "none",
+    },
+    {
+        "name": "cost-aware+cpu-tier",
+        "note": "swap or recompute per victim + CPU prefix tier",
+        "vs": "recompute+cpu-tier",
+        "policy": "cost_aware",
+        "mode": "auto",
+        "offload": "write_through",
+    },
 ]
 
 
@@ -152,6 +213,12 @@ class RunSetup:
     max_num_batched_tokens: int
     max_num_seqs: int
     chunked_prefill: bool
+    link: LinkProfile
+    copies: str = "async"
+    kv_layout: str = "block_contiguous"
+    coalesce: bool = True
+    note: str = ""
+    vs: str | None = None
 
 
 def find_config(ref: str | Path | None) -> Path | Traversable:
@@ -271,6 +338,16 @@ def validate_config(raw: Any, calibration: Calibration | None = None) -> dict[st
     names = [r["name"] for r in cfg["runs"]]
     if len(set(names)) != len(names):
         raise ConfigError(f"runs: run names must be unique, got {names}")
+    for i, r in enumerate(cfg["runs"]):
+        if r["vs"] is not None and r["vs"] not in names[:i]:
+            raise ConfigError(f"runs[{i}].vs: must name a run listed before it (one of {names[:i]}), got {r['vs']!r}")
+    if cfg["regimes"] is not None:
+        if not cfg["regimes"]:
+            raise ConfigError("regimes: must list at least one regime, or be left out")
+        cfg["regimes"] = [validate(g, REGIME_SCHEMA, f"regimes[{i}]") for i, g in enumerate(cfg["regimes"])]
+        rnames = [g["name"] for g in cfg["regimes"]]
+        if len(set(rnames)) != len(rnames):
+            raise ConfigError(f"regimes: regime names must be unique, got {rnames}")
     for key in ("gpu_kv_gib", "rate"):
         vals = cfg["sweep"][key]
         if vals is not None:
@@ -348,26 +425,47 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
                 f"{n_gpu - 1} GPU blocks of {gkey}; it could never run"
             )
     c = cfg["compute"]
+    sp = hw.step
+    mfu = c["mfu"] if c["mfu"] is not None else sp.mfu
+    eff = c["hbm_efficiency"] if c["hbm_efficiency"] is not None else sp.hbm_efficiency
+    geometry_pieces = 2 * model.num_layers if run["kv_layout"] == "layer_first" else 1
     if calibration is not None:
         cost = calibration.cost_model
-        compute = ComputeModel(hw, model, c["mfu"], c["hbm_efficiency"], 0.0, None, calibration.step_model)
+        compute = ComputeModel(hw, model, mfu, eff, 0.0, None, calibration.step_model)
         d2h, h2d, ovh = cost.d2h_bytes_per_s, cost.h2d_bytes_per_s, cost.per_copy_overhead_s
+        link = LinkProfile(h2d, d2h, h2d + d2h, ovh)
     else:
-        link = cfg["link"]
-        bw = link["gbps_per_direction"] * 1e9 if link["gbps_per_direction"] is not None else hw.pcie_bytes_per_s
-        ovh = link["per_copy_overhead_s"] if link["per_copy_overhead_s"] is not None else hw.per_copy_overhead_s
-        d2h = h2d = bw
-        compute = ComputeModel(hw, model, c["mfu"], c["hbm_efficiency"], c["step_overhead_s"], c["fixed_step_s"])
+        lk = cfg["link"]
+        hl = hw.link
+        one_way = lk["gbps_per_direction"] * 1e9 if lk["gbps_per_direction"] is not None else None
+        h2d = one_way if one_way is not None else hl.h2d_bytes_per_s
+        d2h = one_way if one_way is not None else hl.d2h_bytes_per_s
+        if lk["bidir_gbps"] is not None:
+            bidir = lk["bidir_gbps"] * 1e9
+        elif one_way is not None:  # a one-way override keeps the profile's ratio of total to one way
+            ratio = hl.bidir_bytes_per_s / (hl.h2d_bytes_per_s + hl.d2h_bytes_per_s) if hl.h2d_bytes_per_s else 1.0
+            bidir = (h2d + d2h) * min(ratio, 1.0)
+        else:
+            bidir = hl.bidir_bytes_per_s
+        ovh = lk["per_copy_overhead_s"] if lk["per_copy_overhead_s"] is not None else hl.per_copy_s
+        link = LinkProfile(h2d, d2h, bidir, ovh)
+        step_s = c["step_overhead_s"] if c["step_overhead_s"] is not None else sp.per_step_s
+        per_seq = c["per_seq_s"] if c["per_seq_s"] is not None else sp.per_seq_s
+        compute = ComputeModel(hw, model, mfu, eff, step_s, c["fixed_step_s"], None, per_seq)
         cost = CostModel(
             kv_bytes_per_token=model.kv_bytes_per_token,
             block_size=bs,
-            d2h_bytes_per_s=bw,
-            h2d_bytes_per_s=bw,
-            per_copy_overhead_s=ovh,
+            d2h_bytes_per_s=d2h,
+            h2d_bytes_per_s=h2d,
+            # A run of blocks is one copy per layer and K/V in the layer-first layout.
+            per_copy_overhead_s=ovh * geometry_pieces,
             prefill_tokens_per_s=compute.prefill_tokens_per_s(),
             prefill_quadratic_s_per_token2=compute.prefill_quadratic(),
         )
     s = cfg["scheduler"]
+    seqs_default, tokens_default = hw.vllm_default_limits
+    max_tokens = s["max_num_batched_tokens"] if s["max_num_batched_tokens"] is not None else tokens_default
+    max_seqs = s["max_num_seqs"] if s["max_num_seqs"] is not None else min(seqs_default, max_tokens)
     return RunSetup(
         name=run["name"],
         policy=run["policy"],
@@ -386,7 +484,13 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
         per_copy_overhead_s=ovh,
         cost_model=cost,
         hash_fn=cfg["hash"],
-        max_num_batched_tokens=s["max_num_batched_tokens"],
-        max_num_seqs=s["max_num_seqs"],
+        max_num_batched_tokens=max_tokens,
+        max_num_seqs=max_seqs,
         chunked_prefill=s["chunked_prefill"],
+        link=link,
+        copies=run["copies"],
+        kv_layout=run["kv_layout"],
+        coalesce=run["coalesce"],
+        note=run["note"],
+        vs=run["vs"],
     )

@@ -51,6 +51,19 @@ class EventLoop:
             out.append((t, kind, payload))
         return out
 
+    def pop_until(self, time: float, before: bool = False) -> tuple[float, str, Any] | None:
+        """Remove and return the next event due at or before ``time`` (strictly before, with ``before``).
+
+        The clock moves to the event's time; None (clock untouched) if no event is due.
+        """
+        heap = self._heap
+        if heap and (heap[0][0] < time if before else heap[0][0] <= time):
+            t, _, kind, payload = heapq.heappop(heap)
+            if t > self.now:
+                self.now = t
+            return t, kind, payload
+        return None
+
     def log(self, kind: str, detail: Hashable, time: float | None = None) -> None:
         """Append to the trace (when recording), stamped ``time`` or now."""
         if self.trace is not None:

@@ -16,22 +16,64 @@ from tiered_kv.sim.files import make_dir, write_text
 def demand_ratio(cfg: dict[str, Any], setup: RunSetup, workload: Sequence[Any]) -> float:
     """KV needed to run ``max_num_seqs`` average requests to completion, over the GPU KV pool."""
     mean_tokens = sum(len(r.prompt) + len(r.output) for r in workload) / max(len(workload), 1)
-    need = cfg["scheduler"]["max_num_seqs"] * mean_tokens * setup.model.kv_bytes_per_token
+    need = setup.max_num_seqs * mean_tokens * setup.model.kv_bytes_per_token
     return need / (setup.num_gpu_blocks * setup.block_size * setup.model.kv_bytes_per_token)
 
 
+def regime_verdict(runs: list[dict[str, Any]], offered_rps: float) -> dict[str, Any]:
+    """Below capacity or overloaded, from the measurements of the regime's first run (its baseline).
+
+    Overloaded when requests wait in the queue for most of their time to first
+    token (median wait for admission over median TTFT above one half), or when
+    the runs finish fewer requests per second than arrive (below 90% of the
+    offered rate, the queue grows).  Otherwise latency is service time.
+    """
+    base = runs[0]
+    ttft = base["ttft_s"]["p50"]
+    queue = base["queue_s"]["p50"]
+    share = queue / ttft if ttft > 0 else 0.0
+    served = base["throughput_rps"] / offered_rps if offered_rps > 0 else 1.0
+    over = share > 0.5 or served < 0.9
+    what = "overloaded: latency is queueing" if over else "below capacity: latency is service time"
+    text = (
+        f"{what} (baseline {base['run']}: median wait for admission {queue * 1e3:.0f} ms of "
+        f"{ttft * 1e3:.0f} ms to first token; {base['throughput_rps']:.1f} requests/s served)"
+    )
+    return {"regime": "over" if over else "below", "queue_share_of_ttft": share, "served_share": served, "text": text}
+
+
+def _gain(run: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float]:
+    """(throughput ratio, end-to-end p50 speed-up) of ``run`` over ``ref``; above 1 is better."""
+    tput = run["throughput_rps"] / ref["throughput_rps"] if ref["throughput_rps"] else 0.0
+    e2e = ref["e2e_s"]["p50"] / run["e2e_s"]["p50"] if run["e2e_s"]["p50"] else 0.0
+    return tput, e2e
+
+
 def table(runs: list[dict[str, Any]]) -> str:
-    """One row per run; throughput ratios are against the first run."""
-    base = runs[0]["throughput_rps"] or 1.0
+    """One row per run; each run's gain is over the run it names in ``vs`` (its baseline), else the first run.
+
+    The gain columns attribute the difference to what the run adds over its
+    baseline: ``tput`` is the ratio of requests served per second, ``E2E`` the
+    ratio of median end-to-end latencies (baseline / run), both above 1 when
+    the run is better.
+    """
+    by_name = {r["run"]: r for r in runs}
     head = (
-        f"{'run':22} {'req/s':>7} {'x base':>6} {'out tok/s':>9} {'TTFT p50/p99 s':>15} "
+        f"{'run':20} {'req/s':>6} {'vs':>20} {'tput':>5} {'E2E':>5} {'out tok/s':>9} {'TTFT p50/p99 s':>15} "
         f"{'TPOT p50/p99 ms':>16} {'E2E p50/p99 s':>14} {'swap':>5} {'recmp':>5} {'GB out/in':>11} "
-        f"{'recomp tok':>10} {'hit GPU/CPU':>11} {'xfer hid/exp s':>14}"
+        f"{'recomp tok':>10} {'hit GPU/CPU':>11} {'xfer hid/exp s':>14} {'stall s':>7}"
     )
     lines = [head, "-" * len(head)]
     for r in runs:
+        ref_name = r.get("vs") or (runs[0]["run"] if r is not runs[0] else None)
+        ref = by_name.get(ref_name) if ref_name else None
+        if ref is None:
+            vs, tput, e2e = "(baseline)", "", ""
+        else:
+            g_tput, g_e2e = _gain(r, ref)
+            vs, tput, e2e = ref["run"][:20], f"{g_tput:.2f}x", f"{g_e2e:.2f}x"
         lines.append(
-            f"{r['run'][:22]:22} {r['throughput_rps']:7.2f} {r['throughput_rps'] / base:6.2f} "
+            f"{r['run'][:20]:20} {r['throughput_rps']:6.2f} {vs:>20} {tput:>5} {e2e:>5} "
             f"{r['throughput_output_tps']:9.0f} "
             f"{r['ttft_s']['p50']:7.2f}/{r['ttft_s']['p99']:<7.2f} "
             f"{r['tpot_s']['p50'] * 1e3:7.1f}/{r['tpot_s']['p99'] * 1e3:<8.1f} "
@@ -39,8 +81,12 @@ def table(runs: list[dict[str, Any]]) -> str:
             f"{r['preemptions_swap']:5d} {r['preemptions_recompute']:5d} "
             f"{r['gb_swapped_out']:5.1f}/{r['gb_swapped_in']:<5.1f} {r['tokens_recomputed']:10d} "
             f"{r['gpu_prefix_hit_rate']:5.2f}/{r['cpu_prefix_hit_rate']:<5.2f} "
-            f"{r['transfer_hidden_s']:6.2f}/{r['transfer_exposed_s']:<7.2f}"
+            f"{r['transfer_hidden_s']:6.2f}/{r['transfer_exposed_s']:<7.2f} {r.get('stall_s', 0.0):7.2f}"
         )
+    notes = [f"  {r['run']}: {r['note']}" for r in runs if r.get("note")]
+    if notes:
+        lines.append("")
+        lines.extend(notes)
     return "\n".join(lines)
 
 

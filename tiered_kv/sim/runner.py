@@ -1,24 +1,147 @@
-"""``tiered-kv simulate``: run every entry of a config's ``runs`` on one workload; print, write JSON and plots."""
+"""``tiered-kv simulate``: every run of a config, in every regime, on one workload per regime.
+
+A config's ``regimes:`` (optional) lists arrival rates to run the whole set of
+runs at; the report says, from the measurements, whether each is below
+capacity (latency is service time) or overloaded (latency is queueing).
+Runs are independent simulations: with ``workers > 1`` they run in worker
+processes, and the results are the same, byte for byte, as in one process.
+"""
 
 from __future__ import annotations
 
+import json
+import multiprocessing
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tiered_kv.obs.recorder import MetricsRecorder, Reading
 from tiered_kv.sim.budget import build_workload
-from tiered_kv.sim.calibration import load_calibration
-from tiered_kv.sim.config import load_config, setup
+from tiered_kv.sim.calibration import Calibration, load_calibration
+from tiered_kv.sim.config import config_from_raw, read_config, setup
 from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.files import write_text
 from tiered_kv.sim.progress import Progress
-from tiered_kv.sim.report import demand_ratio, plot, table, write_json
+from tiered_kv.sim.records import jsonl
+from tiered_kv.sim.report import demand_ratio, plot, regime_verdict, table, write_json
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.sweep import sweep
+from tiered_kv.sim.timeline import chrome_trace
+from tiered_kv.sim.workload import SimRequest, generate
 
 __all__ = ["simulate", "sweep"]  # sweep lives in its own module; re-exported for existing callers
+
+
+@dataclass(frozen=True)
+class Task:
+    """One simulation: a run of a validated config (one regime's) and what to keep of it."""
+
+    cfg: dict[str, Any]
+    regime: str | None
+    run_index: int
+    calibration: Calibration | None
+    keep_requests: bool
+    keep_timeline: bool
+    pid: int = 1
+    keep_metrics: bool = False
+
+
+def run_task(
+    task: Task, hook: Callable[[int, int, float], None] | None = None, workload: list[SimRequest] | None = None
+) -> dict[str, Any]:
+    """Simulate one task (in this process or a worker); returns its results, plus rows and timeline if asked.
+
+    ``workload`` is the task's config's workload when the caller has it already (the same
+    seed always generates the same one); a worker process generates its own.
+    """
+    st = setup(task.cfg, task.run_index, task.calibration)
+    if workload is None:
+        workload = generate(task.cfg["workload"], task.cfg["seed"])
+    t0 = time.perf_counter()
+    sim = Simulator(st, workload, progress=hook, keep_timeline=task.keep_timeline)
+    recorder = MetricsRecorder(sim.scheduler) if task.keep_metrics else None
+    res = sim.run()
+    res["wall_s"] = time.perf_counter() - t0
+    res["regime"] = task.regime
+    res["note"] = st.note
+    res["vs"] = st.vs
+    extra: dict[str, Any] = {}
+    if task.keep_requests:
+        extra["requests"] = jsonl(sim.records.values(), {"run": st.name, "regime": task.regime})
+    if task.keep_timeline:
+        extra["timeline"] = chrome_trace(sim, f"{task.regime + ': ' if task.regime else ''}{st.name}", task.pid)
+    if recorder is not None:
+        labels = {"run": st.name, **({"regime": task.regime} if task.regime else {})}
+        extra["metrics"] = (labels, recorder.read())
+    return {"result": res, **extra}
+
+
+def regime_configs(raw: Any, stem: str, overrides: dict[str, Any] | None, cal: Calibration | None) -> list[tuple]:
+    """``(name, offered rate, expected regime, validated config)`` per regime (one, unnamed, without ``regimes``)."""
+    base = config_from_raw(raw, stem, overrides, cal)
+    if base["regimes"] is None:
+        return [(None, base["workload"]["arrival"]["rate"], None, base)]
+    out = []
+    for g in base["regimes"]:
+        changes = dict(overrides or {})
+        changes["workload.arrival.rate"] = g["rate"]
+        if g["num_requests"] is not None:
+            changes["workload.num_requests"] = g["num_requests"]
+        out.append((g["name"], g["rate"], g["expect"], config_from_raw(raw, stem, changes, cal)))
+    return out
+
+
+def _serial(
+    tasks: list[Task],
+    prog: Progress,
+    sizes: list[int],
+    say: Callable[[str], None],
+    workloads: dict[str | None, list[SimRequest]],
+) -> list[dict]:
+    outs = []
+    done_before = 0
+    for task, n in zip(tasks, sizes, strict=True):
+        name = task.cfg["runs"][task.run_index]["name"]
+        label = f"{task.regime}: {name}" if task.regime else name
+
+        def hook(done: int, total: int, sim_t: float, base: int = done_before, label: str = label) -> None:
+            prog.update(base + done, f"{label}, simulated {sim_t:.0f} s")
+
+        out = run_task(task, hook, workloads[task.regime])
+        res = out["result"]
+        say(
+            f"  {label}: {res['makespan_s']:.1f} simulated s in {res['wall_s']:.1f} wall s "
+            f"({n / res['wall_s']:.0f} requests/s)"
+        )
+        outs.append(out)
+        done_before += n
+    return outs
+
+
+def _parallel(tasks: list[Task], workers: int, prog: Progress, sizes: list[int], say: Callable[[str], None]) -> list:
+    # spawn, not fork: a forked child would inherit the progress thread's locks mid-use.
+    ctx = multiprocessing.get_context("spawn")
+    outs: list[dict | None] = [None] * len(tasks)
+    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
+        futures = {pool.submit(run_task, t): k for k, t in enumerate(tasks)}
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in done:
+                    k = futures[f]
+                    outs[k] = f.result()
+                    res = outs[k]["result"]  # type: ignore[index]
+                    label = f"{tasks[k].regime}: {res['run']}" if tasks[k].regime else res["run"]
+                    say(f"  {label}: {res['makespan_s']:.1f} simulated s in {res['wall_s']:.1f} wall s")
+                    prog.advance(sizes[k], label)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return outs  # type: ignore[return-value]
 
 
 def simulate(
@@ -29,74 +152,93 @@ def simulate(
     emit: Callable[[str], None] = print,
     progress: bool = True,
     calibration: Path | None = None,
+    requests_path: Path | None = None,
+    trace_path: Path | None = None,
+    workers: int = 1,
     metrics_path: Path | None = None,
 ) -> dict[str, Any]:
-    """Run every ``runs`` entry of a config on one workload; return the results document.
+    """Run every ``runs`` entry of a config, in every regime; return the results document.
 
     ``config`` is a path, the name of a shipped config, or None for the main
     experiment.  With ``calibration`` (from ``tiered-kv crossover``) the
     measured model, link and step times replace the config's hardware and
     model profiles.  The workload's memory and time are estimated first, and a
-    config that could not finish on this machine is refused before anything runs.
-    With ``metrics_path``, the Prometheus text exposition of every run so far
-    (label ``run``) is written there at the end of each run (``docs/metrics.md``).
+    config that could not finish on this machine is refused before anything
+    runs.  ``requests_path`` gets one JSONL row per request and run;
+    ``trace_path`` a Chrome/Perfetto trace of every step and copy;
+    ``metrics_path`` the Prometheus text exposition of every run (labels
+    ``run`` and ``regime``; ``docs/metrics.md``).
     """
     cal = load_calibration(calibration) if calibration is not None else None
-    cfg = load_config(config, overrides, cal)
-    setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
+    raw, stem = read_config(config)
+    regimes = regime_configs(raw, stem, overrides, cal)
     if plots_dir is not None:
         import_extra("matplotlib", "--plots")  # before the run, not after it
     if metrics_path is not None:
         import_extra("prometheus_client", "--metrics")
-    workload = build_workload(cfg, setups)
-    first = setups[0]
-    ratio = demand_ratio(cfg, first, workload)
-    where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
+    tasks: list[Task] = []
+    sizes: list[int] = []
+    heads = []
+    workloads: dict[str | None, list[SimRequest]] = {}
+    for name, rate, _expect, cfg in regimes:
+        setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
+        workload = workloads[name] = build_workload(cfg, setups)  # sized and checked once per regime
+        first = setups[0]
+        ratio = demand_ratio(cfg, first, workload)
+        where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
+        heads.append((name, rate, where, first, ratio, len(workload)))
+        for i in range(len(setups)):
+            keep = (requests_path is not None, trace_path is not None)
+            tasks.append(Task(cfg, name, i, cal, *keep, len(tasks) + 1, metrics_path is not None))
+            sizes.append(len(workload))
+    cfg0 = regimes[0][3]
+    _, _, where, first, ratio0, _ = heads[0]
     emit(
-        f"{cfg['name']}: {first.model.name} on {where}, {len(workload)} requests, "
-        f"GPU KV {first.gpu_kv_gib:g} GiB ({first.num_gpu_blocks} blocks of {first.block_size} tokens), "
-        f"KV demand of {cfg['scheduler']['max_num_seqs']} running requests = {ratio:.2f}x the GPU pool"
+        f"{cfg0['name']}: {first.model.name} on {where}, GPU KV {first.gpu_kv_gib:.4g} GiB "
+        f"({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to {first.max_num_seqs} running requests "
+        f"and {first.max_num_batched_tokens} tokens a step; their KV demand = {ratio0:.2f}x the GPU pool"
     )
-    results = []
-    readings: list[tuple[dict[str, str], Reading]] = []
-    n = len(workload)
-    with Progress("simulate", n * len(setups), "requests", enabled=progress) as prog:
+    with Progress("simulate", sum(sizes), "requests", enabled=progress) as prog:
         say = prog.wrap(emit)
-        for i, st in enumerate(setups):
-
-            def hook(done: int, total: int, sim_t: float, base: int = i * n, name: str = st.name) -> None:
-                prog.update(base + done, f"{name}, simulated {sim_t:.0f} s")
-
-            t0 = time.perf_counter()
-            sim = Simulator(st, workload, progress=hook)
-            recorder = MetricsRecorder(sim.scheduler) if metrics_path is not None else None
-            res = sim.run()
-            wall = time.perf_counter() - t0
-            if recorder is not None:
-                readings.append(({"run": st.name}, recorder.read()))
-                write_metrics(metrics_path, readings)
-            say(
-                f"  {st.name}: {res['makespan_s']:.1f} simulated s in {wall:.1f} wall s "
-                f"({res['makespan_s'] / wall:.1f} sim-s/s, {n / wall:.0f} requests/s)"
-            )
-            results.append(res)
-    emit("")
-    emit(table(results))
+        if workers > 1 and len(tasks) > 1:
+            outs = _parallel(tasks, workers, prog, sizes, say)
+        else:
+            outs = _serial(tasks, prog, sizes, say, workloads)
+    results = [o["result"] for o in outs]
+    summaries = []
+    for name, rate, expect, _ in regimes:
+        runs = [r for r in results if r["regime"] == name]
+        verdict = regime_verdict(runs, rate)
+        summaries.append({"name": name, "rate": rate, "expect": expect, **verdict})
+        emit("")
+        if name is not None:
+            emit(f"regime {name}: {rate:g} requests/s offered; {verdict['text']}")
+            if expect is not None and expect != verdict["regime"]:
+                emit(f"  note: this regime was meant to be {expect!r}, but the measurements say {verdict['regime']!r}")
+        emit(table(runs))
     doc = {
-        "name": cfg["name"],
+        "name": cfg0["name"],
         "hardware": where,
         "model": first.model.name,
-        "kv_demand_ratio": ratio,
-        "config": cfg,
+        "kv_demand_ratio": ratio0,
+        "config": cfg0,
+        "regimes": summaries,
         "runs": results,
     }
     if json_path is not None:
         write_json(json_path, doc)
         emit(f"\nwrote {json_path}")
+    if requests_path is not None:
+        write_text(requests_path, "".join(o["requests"] for o in outs), "--requests")
+        emit(f"wrote {requests_path}")
+    if trace_path is not None:
+        write_trace(trace_path, [e for o in outs for e in o["timeline"]])  # each run is a process of its own
+        emit(f"wrote {trace_path}")
     if metrics_path is not None:
+        write_metrics(metrics_path, [o["metrics"] for o in outs])
         emit(f"wrote {metrics_path}")
     if plots_dir is not None:
-        for p in plot(results, plots_dir, cfg["name"]):
+        for p in plot(results, plots_dir, cfg0["name"]):
             emit(f"wrote {p}")
     return doc
 
@@ -106,3 +248,8 @@ def write_metrics(path: Path, readings: list[tuple[dict[str, str], Reading]]) ->
     from tiered_kv.obs.prometheus import exposition
 
     write_text(path, exposition(readings), "--metrics")
+
+
+def write_trace(path: Path, events: list[dict[str, Any]]) -> None:
+    """Write Chrome trace events as a JSON object file (``chrome://tracing``, Perfetto)."""
+    write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), "--trace")

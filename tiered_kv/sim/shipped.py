@@ -16,7 +16,7 @@ from tiered_kv.errors import InvalidArgumentError
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-KINDS = ("experiments", "hardware", "models")
+KINDS = ("experiments", "hardware", "models", "validation")
 
 
 def _dir(kind: str) -> Traversable:

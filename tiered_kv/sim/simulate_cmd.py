@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.sim.argtypes import positive_int
+
 NAME = "simulate"
 SUMMARY = "simulate every run of a config on one workload"
 
@@ -44,6 +46,26 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         help="write every run's metrics as a Prometheus text exposition (label run=NAME) to this file; "
         "needs the metrics extra",
     )
+    p.add_argument(
+        "--requests",
+        type=Path,
+        metavar="PATH",
+        help="write one JSONL row per request and run (arrival, first token, finish, preemptions, swap bytes, "
+        "recomputed tokens); rows join back to a replayed trace by id",
+    )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="PATH",
+        help="write a Chrome/Perfetto trace: compute steps and each copy on its own track, both directions",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="simulate the runs in N processes on this machine (default: 1; the results are the same)",
+    )
     p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
     p.set_defaults(func=run)
     return p
@@ -54,11 +76,16 @@ def run(args: argparse.Namespace) -> int:
     from tiered_kv.sim.files import check_output_dir, check_output_file
 
     import_extra("yaml", "this command")
-    if args.json is not None:
-        check_output_file(args.json, "--json")
     if args.metrics is not None:
         import_extra("prometheus_client", "--metrics")
-        check_output_file(args.metrics, "--metrics")
+    for flag, path in (
+        ("--json", args.json),
+        ("--requests", args.requests),
+        ("--trace", args.trace),
+        ("--metrics", args.metrics),
+    ):
+        if path is not None:
+            check_output_file(path, flag)
     if args.plots is not None:
         import_extra("matplotlib", "--plots")
         check_output_dir(args.plots, "--plots")
@@ -70,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
         args.plots,
         progress=not args.no_progress,
         calibration=args.calibration,
+        requests_path=args.requests,
         metrics_path=args.metrics,
+        trace_path=args.trace,
+        workers=args.workers,
     )
     return 0

@@ -1,9 +1,13 @@
 """The simulator: the real TierManager and Scheduler, driven on a simulated clock.
 
 Per step the scheduler picks a batch through the tier manager (the same calls
-a real engine makes), the roofline compute model says how long the step takes,
-and the simulated PCIe link moves blocks concurrently.  Results are a plain,
-deterministic dict: identical seed and config give identical output.
+a real engine makes), the step-time model says how long the step takes, and
+the simulated host link (:class:`~tiered_kv.sim.link.SimLink`) moves blocks.
+How copies and compute interfere is the run's copy mode: ``async`` copies
+overlap compute; ``blocking`` copies delay the step that follows them;
+``layerwise`` swap-ins stretch the step that reads them only where a layer's
+copy is later than its compute.  Results are a plain, deterministic dict:
+identical seed and config give identical output.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ from typing import Any
 
 from tiered_kv.core.request import Request
 from tiered_kv.errors import TieredKVError
+from tiered_kv.manager.states import PreemptMode
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
 from tiered_kv.sim.config import RunSetup
 from tiered_kv.sim.events import EventLoop
-from tiered_kv.sim.link import SimCopyEngine
+from tiered_kv.sim.link import CopyGeometry, CopyJob, SimLink
+from tiered_kv.sim.records import RequestRecord
 from tiered_kv.sim.workload import SimRequest
+from tiered_kv.transfer.plan import PlanKind
 
 GB = 1e9
 
@@ -56,8 +63,46 @@ def overlap_seconds(intervals: list[tuple[float, float]], busy: list[tuple[float
     return total
 
 
+class Step:
+    """One computed step, kept for timelines: when it ran and what it waited for."""
+
+    __slots__ = ("index", "issued", "start", "end", "compute_s", "num_seqs", "num_tokens", "preempted", "resumed")
+
+    def __init__(
+        self,
+        index: int,
+        issued: float,
+        start: float,
+        end: float,
+        compute_s: float,
+        num_seqs: int,
+        num_tokens: int,
+        preempted: int,
+        resumed: int,
+    ) -> None:
+        self.index = index
+        self.issued = issued
+        self.start = start
+        self.end = end
+        self.compute_s = compute_s
+        self.num_seqs = num_seqs
+        self.num_tokens = num_tokens
+        self.preempted = preempted
+        self.resumed = resumed
+
+
 class Simulator:
-    """One run of one workload under one :class:`RunSetup`."""
+    """One run of one workload under one :class:`RunSetup`.
+
+    Args:
+        setup: The run.
+        workload: Requests, in arrival order.
+        record_trace: Keep the whole event trace (``loop.trace``), for tests.
+        progress: Called now and then with (finished, total, simulated seconds).
+        usage_points: About how many memory-usage samples the results keep.
+        keep_timeline: Keep every step and copy (:attr:`steps`, ``engine.jobs``),
+            for ``--trace``.
+    """
 
     def __init__(
         self,
@@ -65,17 +110,19 @@ class Simulator:
         workload: list[SimRequest],
         record_trace: bool = False,
         progress: Callable[[int, int, float], None] | None = None,
-        usage_points: int = 400,
+        usage_points: int = 200,
+        keep_timeline: bool = False,
     ) -> None:
         self.setup = setup
         self.workload = workload
         self.loop = EventLoop(record_trace)
         self.progress = progress
         self.usage_points = usage_points
-        bpb = setup.block_size * setup.model.kv_bytes_per_token
-        self.engine = SimCopyEngine(
-            self.loop, bpb, setup.d2h_bytes_per_s, setup.h2d_bytes_per_s, setup.per_copy_overhead_s
+        geometry = CopyGeometry(
+            setup.block_size * setup.model.kv_bytes_per_token, setup.model.num_layers, setup.kv_layout, setup.coalesce
         )
+        self.engine = SimLink(self.loop, setup.link, geometry, setup.copies, keep_jobs=keep_timeline)
+        self.engine.on_submit = self._count_copy
         tm = TierManager(
             setup.num_gpu_blocks,
             setup.num_cpu_blocks,
@@ -85,8 +132,9 @@ class Simulator:
             offload=setup.offload,
             hash_fn=setup.hash_fn,
         )
-        self.records: dict[int, list[float]] = {}  # rid -> [arrival, first_token, finish, n_out]
+        self.records: dict[int, RequestRecord] = {}
         self.outputs = {r.rid: r.output for r in workload}
+        self.steps: list[Step] | None = [] if keep_timeline else None
         self.scheduler = Scheduler(
             tm,
             SchedulerConfig(
@@ -98,86 +146,168 @@ class Simulator:
             ),
         )
 
-    def _finished(self, req: Request) -> None:
-        rec = self.records[req.request_id]  # type: ignore[index]
-        rec[2] = self.loop.now
-        rec[3] = req.num_output_tokens
-        self.loop.log("finish", req.request_id)
-
-    def _sampled(self, out: SchedulerOutput) -> dict:
-        """The workload's next output token of every request that samples one this step."""
-        outputs = self.outputs
-        return {
-            r.request_id: outputs[r.request_id][r.num_output_tokens]  # type: ignore[index]
-            for r, n in out.scheduled
-            if r.num_computed_tokens + n == r.num_tokens
-        }
+    def _count_copy(self, job: CopyJob) -> None:
+        plan = job.plan
+        rec = self.records.get(plan.request_id)  # type: ignore[arg-type]
+        if rec is None:
+            return
+        if plan.kind is PlanKind.SWAP_OUT:
+            rec.swap_out_bytes += job.nbytes
+        elif plan.kind is PlanKind.SWAP_IN:
+            rec.swap_in_bytes += job.nbytes
+        elif plan.kind is PlanKind.ONBOARD:
+            rec.onboard_bytes += job.nbytes
 
     def run(self) -> dict[str, Any]:
-        loop, sched = self.loop, self.scheduler
+        loop, sched, link = self.loop, self.scheduler, self.engine
+        records, outputs = self.records, self.outputs
+        compute = self.setup.compute
+        num_layers = self.setup.model.num_layers
+        blocking = link.mode == "blocking"
+        layerwise = link.mode == "layerwise"
+        tracing = loop.trace is not None
+        steps = self.steps
         for r in self.workload:
             loop.schedule(r.arrival, "arrival", r)
         total = len(self.workload)
+        size = max((r.rid for r in self.workload), default=-1) + 1
+        # Hot-loop copies indexed by request id (ids are 0..n-1): a list index is cheaper than a dict lookup.
+        by_rid: list[RequestRecord | None] = [None] * size
+        out_ids: list[list[int] | None] = [outputs.get(i) for i in range(size)]
+        high = [0] * size  # most tokens ever computed per request (for per-request recompute)
         finished = 0
         busy: list[tuple[float, float]] = []
         usage: list[tuple[float, float, float, float]] = []
-        steps = 0
+        # Sample memory usage about usage_points times: start from the arrival span, halve when too many.
+        last_arrival = max((r.arrival for r in self.workload), default=0.0)
+        usage_dt = max(last_arrival, 1.0) / self.usage_points
+        next_usage = 0.0
+        n_steps = 0
         tokens_computed = 0
         recompute_s = 0.0
+        stall_s = 0.0
+        carry: list[CopyJob] = []  # layerwise copies the next step reads
         last_report = time.perf_counter()
-        while True:
-            for t_event, kind, payload in loop.pop_due():
-                if kind == "arrival":
+
+        def advance(to: float, before: bool = False) -> None:
+            """Handle every event up to ``to`` (strictly before, with ``before``) at its own time, then set the clock.
+
+            Copies finish mid-step at their own time, so the link's next copy starts
+            then; events at the step's end are handled after the step is applied.
+            """
+            while True:
+                ev = loop.pop_until(to, before)
+                if ev is None:
+                    break
+                t_event, kind, payload = ev
+                if kind == "copy":
+                    job = link.on_event(payload)
+                    if job is not None and tracing:
+                        loop.log("transfer_done", job.plan.plan_id, t_event)
+                else:
                     r: SimRequest = payload
                     sched.add_request(Request(r.rid, r.prompt, max_tokens=len(r.output), arrival_time=r.arrival))
-                    self.records[r.rid] = [r.arrival, -1.0, -1.0, 0]
-                    loop.log("arrival", r.rid, t_event)
-                else:
-                    SimCopyEngine.finish(payload)
-                    loop.log("transfer_done", payload.plan.plan_id, t_event)
+                    rec = RequestRecord(r.rid, r.rid if r.id is None else r.id, r.arrival, len(r.prompt))
+                    records[r.rid] = by_rid[r.rid] = rec
+                    if tracing:
+                        loop.log("arrival", r.rid, t_event)
+            if to > loop.now:
+                loop.now = to
+
+        peek = loop.peek_time
+        n_steps_seen = 0
+        while True:
+            due = peek()
+            if due is not None and due <= loop.now:
+                advance(loop.now)
             if finished == total:
                 sched.settle()  # settle copies still in flight (stores to the CPU tier)
                 nt = loop.peek_time()
                 if nt is None:
                     break
-                loop.now = max(loop.now, nt)
+                advance(nt)
                 continue
             out = sched.schedule()
-            self._log_batch(out)
+            now = loop.now
+            if tracing:
+                self._log_batch(out)
+            for rid, mode in out.preempted:
+                rec = records[rid]  # type: ignore[index]
+                if mode is PreemptMode.SWAP:
+                    rec.preemptions_swap += 1
+                else:
+                    rec.preemptions_recompute += 1
+            for rid in out.admitted:
+                rec = records[rid]  # type: ignore[index]
+                if rec.admitted < 0:
+                    rec.admitted = now
+            new_early = link.take_layerwise() if layerwise else []
             if out.num_tokens:
                 attn = 0.0
                 kv = 0
+                sampled: dict = {}
                 for req, n in out.scheduled:
+                    rid = req.request_id
                     c = req.num_computed_tokens
-                    attn += (c + n) * (c + n) - c * c
-                    kv += c + n
-                dt = self.setup.compute.step_time(out.num_tokens, attn, kv, len(out.scheduled))
+                    e = c + n
+                    attn += e * e - c * c
+                    kv += e
+                    tokens = req.all_token_ids  # the Request's own list: len() is num_tokens, without a property
+                    if e == len(tokens):
+                        sampled[rid] = out_ids[rid][len(tokens) - req.num_prompt_tokens]  # type: ignore[index]
+                    mark = high[rid]  # type: ignore[index]
+                    if mark > c:
+                        by_rid[rid].recomputed_tokens += (e if e < mark else mark) - c  # type: ignore[index, union-attr]
+                    if e > mark:
+                        high[rid] = e  # type: ignore[index]
+                dt = compute.step_time(out.num_tokens, attn, kv, len(out.scheduled), len(sampled))
                 if out.recomputed_tokens:
                     recompute_s += dt * out.recomputed_tokens / out.num_tokens
-                start = loop.now
-                loop.now = start + dt
-                busy.append((start, loop.now))
-                steps += 1
+                start = now
+                if blocking and link.busy():
+                    start = link.idle_at()  # the compute stream waits for every copy issued before it
+                end = start + dt
+                if carry:
+                    end = link.layerwise_end(carry, start, dt, num_layers)
+                    carry = []
+                if end - now > dt:
+                    stall_s += end - now - dt
+                advance(end, before=True)
+                busy.append((start, end))
+                n_steps += 1
                 tokens_computed += out.num_tokens
-                for req, n in out.scheduled:
-                    if req.num_computed_tokens + n == req.num_tokens:
-                        rec = self.records[req.request_id]  # type: ignore[index]
-                        if rec[1] < 0:
-                            rec[1] = loop.now
-                for req in sched.update(out, self._sampled(out)):
-                    self._finished(req)
-                finished = len(self.records) - sched.num_unfinished
-                m = sched.metrics()
-                usage.append(
-                    (
-                        loop.now,
-                        m.gpu_usage,
-                        m.cpu_usage,
-                        # distinct prefixes cached on the CPU (held or free), as a fraction of the tier
-                        m.cpu_cached_blocks / m.cpu_blocks if m.cpu_blocks else 0.0,
-                    )
-                )
+                if steps is not None:
+                    steps.append(
+                        Step(n_steps, now, start, end, dt, len(out.scheduled), out.num_tokens,
+                             len(out.preempted), len(out.resumed))
+                    )  # fmt: skip
+                for rid in sampled:
+                    rec = by_rid[rid]  # type: ignore[assignment]
+                    if rec.first_token < 0:
+                        rec.first_token = end
+                for req in sched.update(out, sampled):
+                    rec = by_rid[req.request_id]  # type: ignore[assignment, index]
+                    rec.finish = end
+                    rec.output_tokens = req.num_output_tokens
+                    if tracing:
+                        loop.log("finish", req.request_id)
+                finished = len(records) - sched.num_unfinished
+                if end >= next_usage:
+                    m = sched.metrics()
+                    # distinct prefixes cached on the CPU (held or free), as a fraction of the tier
+                    fill = m.cpu_cached_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
+                    usage.append((end, m.gpu_usage, m.cpu_usage, fill))
+                    next_usage = end + usage_dt
+                    if (
+                        len(usage) >= 2 * self.usage_points
+                    ):  # a long tail: keep every other sample, sample half as often
+                        usage = usage[::2]
+                        usage_dt *= 2
+                carry = new_early
             else:
+                carry.extend(new_early)
+                if new_early:
+                    continue  # a layerwise copy was ordered: its request can run in the next step, now
                 nt = loop.peek_time()
                 if nt is None:
                     raise SimulationError(
@@ -185,17 +315,16 @@ class Simulator:
                         f"requests unfinished ({len(sched.waiting)} waiting, {len(sched.running)} running, "
                         f"{len(sched.swapped)} swapped) and nothing left to wait for"
                     )
-                loop.now = max(loop.now, nt)
-            if self.progress is not None and time.perf_counter() - last_report > 0.5:
+                advance(max(loop.now, nt))
+            n_steps_seen += 1
+            if self.progress is not None and not n_steps_seen & 31 and time.perf_counter() - last_report > 0.5:
                 self.progress(finished, total, loop.now)
                 last_report = time.perf_counter()
         if self.progress is not None:
             self.progress(finished, total, loop.now)
-        return self._results(busy, usage, steps, tokens_computed, recompute_s)
+        return self._results(busy, usage, n_steps, tokens_computed, recompute_s, stall_s)
 
     def _log_batch(self, out: SchedulerOutput) -> None:
-        if self.loop.trace is None:
-            return
         for rid, mode in out.preempted:
             self.loop.log(f"preempt_{mode.value}", rid)
         for rid in out.resumed:
@@ -205,13 +334,16 @@ class Simulator:
         if out.scheduled:
             self.loop.log("step", tuple((req.request_id, n) for req, n in out.scheduled))
 
-    def _results(self, busy, usage, steps: int, tokens_computed: int, recompute_s: float) -> dict[str, Any]:
-        recs = self.records
-        makespan = max((r[2] for r in recs.values()), default=0.0)
-        ttft = [r[1] - r[0] for r in recs.values()]
-        e2e = [r[2] - r[0] for r in recs.values()]
-        tpot = [(r[2] - r[1]) / (r[3] - 1) for r in recs.values() if r[3] > 1]
-        n_out = sum(int(r[3]) for r in recs.values())
+    def _results(
+        self, busy, usage, steps: int, tokens_computed: int, recompute_s: float, stall_s: float
+    ) -> dict[str, Any]:
+        recs = list(self.records.values())
+        makespan = max((r.finish for r in recs), default=0.0)
+        ttft = [r.first_token - r.arrival for r in recs]
+        e2e = [r.finish - r.arrival for r in recs]
+        queue = [r.admitted - r.arrival for r in recs if r.admitted >= 0]
+        tpot = [(r.finish - r.first_token) / (r.output_tokens - 1) for r in recs if r.output_tokens > 1]
+        n_out = sum(r.output_tokens for r in recs)
         requested = sum(len(o) for o in self.outputs.values())
         m = self.scheduler.metrics()
         c = m.counters
@@ -225,12 +357,14 @@ class Simulator:
             "policy": st.policy,
             "mode": st.mode,
             "offload": st.offload,
+            "copies": st.copies,
+            "kv_layout": st.kv_layout,
             "gpu_blocks": st.num_gpu_blocks,
             "cpu_blocks": st.num_cpu_blocks,
             "gpu_kv_gib": st.gpu_kv_gib,
             "cpu_kv_gib": st.cpu_kv_gib,
             "requests": len(recs),
-            "requests_finished": sum(1 for r in recs.values() if r[2] >= 0),
+            "requests_finished": sum(1 for r in recs if r.finish >= 0),
             "output_tokens": n_out,
             "requested_output_tokens": requested,
             "makespan_s": makespan,
@@ -239,14 +373,19 @@ class Simulator:
             "throughput_rps": len(recs) / makespan if makespan else 0.0,
             "throughput_output_tps": n_out / makespan if makespan else 0.0,
             "ttft_s": percentiles(ttft),
+            "queue_s": percentiles(queue),
             "tpot_s": percentiles(tpot),
             "e2e_s": percentiles(e2e),
+            # the vLLM paper's normalized latency: mean over requests of end-to-end latency / output tokens
+            "norm_latency_s": sum(x / r.output_tokens for x, r in zip(e2e, recs, strict=True) if r.output_tokens)
+            / max(1, sum(1 for r in recs if r.output_tokens)),
             "preemptions_swap": c.preemptions_swap,
             "preemptions_recompute": c.preemptions_recompute,
             "gb_swapped_out": c.swap_out_bytes / GB,
             "gb_swapped_in": c.swap_in_bytes / GB,
             "gb_offloaded": c.offload_bytes / GB,
             "gb_onboarded": c.onboard_bytes / GB,
+            "copies_issued": self.engine.copies_issued,
             "tokens_recomputed": self.scheduler.tokens_recomputed,
             "recompute_s": recompute_s,
             "gpu_prefix_hit_rate": m.gpu_hit_rate,
@@ -254,6 +393,7 @@ class Simulator:
             "transfer_s": transfer_s,
             "transfer_hidden_s": hidden,
             "transfer_exposed_s": transfer_s - hidden,
+            "stall_s": stall_s,
             "plans_failed": c.plans_failed,
             "blocks_held_at_end": {
                 "gpu": m.gpu_blocks - m.gpu_free_blocks,

@@ -7,7 +7,9 @@
   (prompt + answer) plus a new user message, arriving a think time after
   the previous turn's arrival.
 * Replay of a JSONL trace: one object per line with ``arrival`` (seconds),
-  ``prompt_tokens`` (a list) or ``prompt_len``, and ``output_len``; every
+  ``prompt_tokens`` (a list) or ``prompt_len``, ``output_len``, and an
+  optional ``id`` (a string or an integer; default: the line number) that the
+  per-request output carries, so its rows join back to the trace; every
   field is checked (types, finite arrival times) with its line number.
 
 Token ids are built from ranges: each piece of text (a system prompt, a user
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,7 @@ class SimRequest:
     output: list[int]  # the tokens the model "samples", in order
     conversation: int = -1
     turn: int = 0
+    id: Hashable = None  # the trace's id of a replayed request (None: a generated one, known by rid)
 
 
 class _Ids:
@@ -137,6 +141,7 @@ class TraceRow:
     prompt_len: int
     output_len: int
     prompt_tokens: list[int] | None
+    id: Hashable = None
 
 
 _JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "list"}
@@ -197,7 +202,7 @@ def read_trace(path: Path) -> list[TraceRow]:
             raise ConfigError(f"workload.trace: line {lineno} is not JSON: {exc}") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{where}: expected a JSON object, got {_describe(row)}")
-        unknown = set(row) - {"arrival", "prompt_tokens", "prompt_len", "output_len"}
+        unknown = set(row) - {"arrival", "prompt_tokens", "prompt_len", "output_len", "id"}
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
         if "arrival" not in row or "output_len" not in row:
@@ -214,9 +219,17 @@ def read_trace(path: Path) -> list[TraceRow]:
             n_prompt = _count(row["prompt_len"], where, "prompt_len")
         else:
             raise ConfigError(f"{where}: needs 'prompt_tokens' or 'prompt_len'")
-        rows.append(TraceRow(lineno, arrival, n_prompt, n_out, tokens))
+        rid = row.get("id", lineno)
+        if isinstance(rid, bool) or not isinstance(rid, int | str):
+            raise ConfigError(f"{where}: 'id' must be a string or an integer, got {_describe(rid)}")
+        rows.append(TraceRow(lineno, arrival, n_prompt, n_out, tokens, rid))
     if not rows:
         raise ConfigError(f"workload.trace: '{path}' has no requests")
+    seen: dict[Hashable, int] = {}
+    for r in rows:
+        if r.id in seen:
+            raise ConfigError(f"workload.trace line {r.line}: 'id' {r.id!r} was already used on line {seen[r.id]}")
+        seen[r.id] = r.line
     return rows
 
 
@@ -230,7 +243,7 @@ def _from_rows(rows: list[TraceRow]) -> list[SimRequest]:
     out: list[SimRequest] = []
     for r in rows:
         prompt = list(r.prompt_tokens) if r.prompt_tokens is not None else ids.take(r.prompt_len)
-        out.append(SimRequest(len(out), r.arrival, prompt, ids.take(r.output_len)))
+        out.append(SimRequest(len(out), r.arrival, prompt, ids.take(r.output_len), id=r.id))
     out.sort(key=lambda r: (r.arrival, r.rid))
     return out
 

@@ -73,6 +73,12 @@ class ControlledCopyEngine:
             blocked = [w for w in handle.plan.wait_for if w in self.pending]
             if blocked:
                 raise PlanError(f"plan {plan_id} must wait for plan(s) {blocked} to finish first")
+        pending = self.pending.get(plan_id)
+        if pending is not None and pending.num_opened < pending.plan.num_layers:
+            raise PlanError(
+                f"plan {plan_id} is gated and layer {pending.num_opened} is not opened: "
+                "its source is not written yet, so it cannot be copied"
+            )
         handle = self._take(plan_id)
         handle._start()
         for layer in range(handle.plan.num_layers):
@@ -93,9 +99,20 @@ class ControlledCopyEngine:
         blocked = [w for w in handle.plan.wait_for if w in self.pending]
         if blocked:
             raise PlanError(f"plan {plan_id} must wait for plan(s) {blocked} to finish first")
+        if layer >= handle.num_opened:
+            raise PlanError(f"plan {plan_id}: layer {layer} is not opened yet (its source is not written)")
         handle._start()
         self._land_layer(handle, layer)
         return handle
+
+    def open_layer(self, handle: TransferHandle, layer: int, stream: object = None) -> None:
+        """Compute finished layer ``layer`` of a gated plan; the test may now land it."""
+        if not isinstance(handle, TransferHandle):
+            raise PlanError(f"open_layer() takes a TransferHandle, got {type(handle).__name__}")
+        if handle.done():
+            return
+        handle._check_open(layer)
+        handle._open(layer)
 
     def _land_layer(self, handle: TransferHandle, layer: int) -> None:
         if self.on_complete_layer is not None:
@@ -116,8 +133,9 @@ class ControlledCopyEngine:
         return handle._cancel_if_pending(TransferError(f"plan {handle.plan.plan_id}: cancelled"))
 
     def complete_all(self) -> list[TransferHandle]:
-        """Complete every pending plan in submission order."""
-        return [self.complete(pid) for pid in list(self.pending)]
+        """Complete every pending plan in submission order (gated plans with unopened layers stay pending)."""
+        ready = [pid for pid, h in self.pending.items() if h.num_opened == h.plan.num_layers]
+        return [self.complete(pid) for pid in ready]
 
     def complete_in_order(self, plan_ids: list[int]) -> list[TransferHandle]:
         """Complete the given plans in the given (possibly reordered) order."""

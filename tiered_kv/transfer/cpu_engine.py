@@ -18,6 +18,9 @@ from tiered_kv.transfer.coalesce import CopyRun
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
 from tiered_kv.transfer.storage_engine import LANES, PreparedPlan, StorageEngineBase
 
+#: How often a worker waiting for a gated layer checks for a cancel.
+GATE_POLL_S = 0.05
+
 
 class CpuCopyEngine(StorageEngineBase):
     """Thread-per-lane copy engine.
@@ -141,6 +144,8 @@ class CpuCopyEngine(StorageEngineBase):
         """A layer-wise plan: every run's layer ``i``, then announce layer ``i``; cancel at layer boundaries."""
         plan = prep.plan
         for layer in self.layer_order(plan.num_layers):
+            while not handle._wait_gate(layer, GATE_POLL_S) and id(handle) not in self._cancelled:
+                pass  # a gated plan: compute has not finished this layer yet
             if id(handle) in self._cancelled:
                 self._end(handle, TransferStatus.CANCELLED, TransferError(f"plan {plan.plan_id}: cancelled"))
                 return
@@ -154,8 +159,16 @@ class CpuCopyEngine(StorageEngineBase):
         self._end(handle, TransferStatus.DONE)
 
     def close(self) -> None:
-        """Finish queued work, then stop the workers."""
+        """Finish queued work, then stop the workers.
+
+        A gated plan whose layers were never all opened would wait forever:
+        it is cancelled (its destination was never published).
+        """
         self._closed = True
+        with self._lock:
+            stuck = [h for h in self._live.values() if h.num_opened < h.plan.num_layers]
+        for h in stuck:
+            self.cancel(h)
         for lane, t in list(self._threads.items()):
             self._queues[lane].put(None)
             t.join()

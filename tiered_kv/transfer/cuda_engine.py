@@ -30,6 +30,7 @@ from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.transfer.availability import require
 from tiered_kv.transfer.cudart import load_cuda_runtime
 from tiered_kv.transfer.event_handle import EventTransferHandle, TorchEvents, fail_after_issued, issued_event
+from tiered_kv.transfer.gated import GatedLayers, IssueJob
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
 from tiered_kv.transfer.plan_events import DEFAULT_MAX_TRACKED_PLANS, PlanEvents
 from tiered_kv.transfer.storage_engine import StorageEngineBase
@@ -37,7 +38,7 @@ from tiered_kv.transfer.storage_engine import StorageEngineBase
 TORCH_EVENTS = TorchEvents()
 
 
-class TorchCudaCopyEngine(StorageEngineBase):
+class TorchCudaCopyEngine(GatedLayers, StorageEngineBase):
     """CUDA-stream copy engine over torch tensors (GPU tier on the device, CPU tier pinned).
 
     Args:
@@ -67,6 +68,7 @@ class TorchCudaCopyEngine(StorageEngineBase):
     ) -> None:
         super().__init__(tiers, max_blocks_per_chunk, record)
         self._events = PlanEvents(TORCH_EVENTS, max_tracked_plans)
+        self._gated = {}
         checks.choice("copy_api", copy_api, ("auto", "runtime", "torch"))
         require("cuda", "TorchCudaCopyEngine")
         self.runtime = load_cuda_runtime() if copy_api != "torch" else None
@@ -108,63 +110,91 @@ class TorchCudaCopyEngine(StorageEngineBase):
         if compute_stream is not None:
             checks.instance("compute_stream", compute_stream, torch.cuda.Stream)
         prep = self.prepare(plan)
-        if self._events.in_flight(plan.plan_id):
+        if self._events.in_flight(plan.plan_id) or plan.plan_id in self._gated:
             raise PlanError(f"plan {plan.plan_id} is already in flight")
         stream = self.streams[prep.lane]
         handle = EventTransferHandle(plan, num_bytes=prep.num_bytes)
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        layer_events: list[torch.cuda.Event] = []
+        job = IssueJob(prep, stream, torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         issued = False  # whether copies may be on the stream
         try:
-            if plan.src_medium == "GPU":
-                # Never read KV that compute is still writing.
-                ready = torch.cuda.Event()
-                ready.record(compute_stream or torch.cuda.current_stream())
-                stream.wait_event(ready)
+            if plan.src_medium == "GPU" and not plan.gated:  # a gated plan orders each layer itself
+                self._order_after_compute(job, compute_stream)  # never read KV that compute is still writing
             for w in plan.wait_for:
                 ev = self._events.get(w)
                 if ev is not None:
                     stream.wait_event(ev)
-            start.record(stream)
+            job.start.record(stream)
+            if plan.gated:
+                return self._hold(handle, job)
             issued = True
-            runtime, raw = self.runtime, stream.cuda_stream
-            with torch.cuda.stream(stream):
-                for layer in range(plan.num_layers) if plan.num_layers else (None,):
-                    for ci, chunk in enumerate(prep.chunks):
-                        for run in chunk:
-                            self._record(prep, ci, run)
-                            if layer is not None and runtime is not None:
-                                self.copy_run_layer_raw(runtime, plan, run, layer, raw)
-                            elif layer is not None:
-                                self.copy_run_layer(plan, run, layer, non_blocking=True)
-                            elif runtime is not None:
-                                self.copy_run_raw(runtime, plan, run, raw)
-                            else:
-                                self.copy_run(plan, run, non_blocking=True)
-                    if layer is not None:  # compute on this layer may start once this event fires
-                        ev = torch.cuda.Event()
-                        ev.record(stream)
-                        layer_events.append(ev)
-            end.record(stream)
+            if plan.num_layers:
+                for layer in range(plan.num_layers):
+                    self._issue_layer(job, layer)
+            else:
+                self._issue_whole(job)
         except Exception as exc:
-            if issued and fail_after_issued(handle, TORCH_EVENTS, stream, start, end, layer_events, exc):
-                return handle
-            handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
+            if issued:
+                self._fail_issue(handle, job, exc)
+            else:
+                handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
             return handle
-        handle.attach(TORCH_EVENTS, start, end, tuple(layer_events))
-        self._events.add(plan.plan_id, end)
+        self._end_issue(handle, job)
         return handle
+
+    def _issue_whole(self, job: IssueJob) -> None:
+        prep, stream = job.prep, job.stream
+        plan, runtime, raw = prep.plan, self.runtime, stream.cuda_stream
+        with torch.cuda.stream(stream):
+            for ci, chunk in enumerate(prep.chunks):
+                for run in chunk:
+                    self._record(prep, ci, run)
+                    if runtime is not None:
+                        self.copy_run_raw(runtime, plan, run, raw)
+                    else:
+                        self.copy_run(plan, run, non_blocking=True)
+
+    def _issue_layer(self, job: IssueJob, layer: int) -> None:
+        """Every run's layer ``layer``, then an event compute on that layer may wait for."""
+        prep, stream = job.prep, job.stream
+        plan, runtime, raw = prep.plan, self.runtime, stream.cuda_stream
+        with torch.cuda.stream(stream):
+            for ci, chunk in enumerate(prep.chunks):
+                for run in chunk:
+                    self._record(prep, ci, run)
+                    if runtime is not None:
+                        self.copy_run_layer_raw(runtime, plan, run, layer, raw)
+                    else:
+                        self.copy_run_layer(plan, run, layer, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        job.layer_events.append(ev)
+
+    def _order_after_compute(self, job: IssueJob, compute_stream: object) -> None:
+        if compute_stream is not None:
+            checks.instance("stream", compute_stream, torch.cuda.Stream)
+        ready = torch.cuda.Event()
+        ready.record(compute_stream or torch.cuda.current_stream())
+        job.stream.wait_event(ready)
+
+    def _end_issue(self, handle: EventTransferHandle, job: IssueJob) -> None:
+        job.end.record(job.stream)
+        handle.attach(TORCH_EVENTS, job.start, job.end, tuple(job.layer_events))
+        self._events.add(handle.plan.plan_id, job.end)
+
+    def _fail_issue(self, handle: EventTransferHandle, job: IssueJob, exc: BaseException) -> None:
+        if not fail_after_issued(handle, TORCH_EVENTS, job.stream, job.start, job.end, job.layer_events, exc):
+            handle._finish(TransferStatus.FAILED, TransferError(f"plan {handle.plan.plan_id}: {exc}"))
 
     def close(self) -> None:
         """Wait for every plan still in flight (teardown only: a host wait, never in a serving step)."""
+        self._abandon_gated()
         self._events.wait_all()
 
     def cancel(self, handle: TransferHandle) -> bool:
-        """Issued CUDA copies cannot be recalled: always False (after checking the argument)."""
+        """Issued CUDA copies cannot be recalled: False, except for a gated plan none of whose layers opened."""
         if not isinstance(handle, TransferHandle):
             raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
-        return False
+        return self._cancel_gated(handle)
 
     def make_compute_wait(
         self, handle: TransferHandle, stream: torch.cuda.Stream | None = None, layer: int | None = None

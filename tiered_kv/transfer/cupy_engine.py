@@ -34,6 +34,7 @@ from tiered_kv.transfer.availability import require
 from tiered_kv.transfer.coalesce import CopyRun
 from tiered_kv.transfer.cudart import CudaRuntime
 from tiered_kv.transfer.event_handle import CupyEvents, EventTransferHandle, fail_after_issued, issued_event
+from tiered_kv.transfer.gated import GatedLayers, IssueJob
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
 from tiered_kv.transfer.plan_events import DEFAULT_MAX_TRACKED_PLANS, PlanEvents
 from tiered_kv.transfer.storage_engine import PreparedPlan, StorageEngineBase
@@ -73,7 +74,7 @@ def block_segments(storage: KVStorage, block_id: int) -> list[int]:
     return segment_offsets(storage.spec, storage.layout, storage.num_blocks, block_id)
 
 
-class CupyCopyEngine(StorageEngineBase):
+class CupyCopyEngine(GatedLayers, StorageEngineBase):
     """cupy backend.
 
     Args:
@@ -110,6 +111,7 @@ class CupyCopyEngine(StorageEngineBase):
         self.cp = cupy
         self._api = CupyEvents(cupy.cuda.get_elapsed_time)
         self._events = PlanEvents(self._api, max_tracked_plans)
+        self._gated = {}
         self.streams = {lane: cupy.cuda.Stream(non_blocking=True) for lane in ("h2d_urgent", "h2d", "d2h", "local")}
         self.kernel = cupy.RawKernel(GATHER_SRC, "copy_segments")
         runtime = cupy.cuda.runtime
@@ -171,52 +173,66 @@ class CupyCopyEngine(StorageEngineBase):
         if compute_stream is not None:
             self._as_cupy_stream("compute_stream", compute_stream)
         prep = self.prepare(plan)
-        if self._events.in_flight(plan.plan_id):
+        if self._events.in_flight(plan.plan_id) or plan.plan_id in self._gated:
             raise PlanError(f"plan {plan.plan_id} is already in flight")
         stream = self.streams[prep.lane]
         handle = EventTransferHandle(plan, num_bytes=prep.num_bytes)
         cp = self.cp
-        start: Any = None
-        layer_events: list[Any] = []
+        job = IssueJob(prep, stream, cp.cuda.Event(), cp.cuda.Event())
+        issued = False  # whether copies may be on the stream
         try:
-            if plan.src_medium == "GPU":
-                # Never read KV that compute is still writing.
-                for compute in self._compute_streams("compute_stream", compute_stream):
-                    ready = cp.cuda.Event(disable_timing=True)
-                    ready.record(compute)
-                    stream.wait_event(ready)
+            if plan.src_medium == "GPU" and not plan.gated:  # a gated plan orders each layer itself
+                self._order_after_compute(job, compute_stream)  # never read KV that compute is still writing
             for w in plan.wait_for:
                 ev = self._events.get(w)
                 if ev is not None:
                     stream.wait_event(ev)
-            start = cp.cuda.Event()
-            start.record(stream)
+            job.start.record(stream)
+            if plan.gated:
+                return self._hold(handle, job)
+            issued = True
             k = self.kernel_min_runs
             if plan.num_layers:  # layer by layer, an event after each
                 for layer in range(plan.num_layers):
-                    for ci, chunk in enumerate(prep.chunks):
-                        for run in chunk:
-                            self._record(prep, ci, run)
-                            self.copy_run_layer_raw(self._runtime, plan, run, layer, stream.ptr)  # type: ignore[attr-defined]
-                    ev = cp.cuda.Event(disable_timing=True)
-                    ev.record(stream)
-                    layer_events.append(ev)
+                    self._issue_layer(job, layer)
             elif k is not None and prep.num_copies >= k and self.spec.segment_bytes % 16 == 0:
                 self._gather(prep, stream)
             else:
                 self._memcpy(prep, stream)
-            end = cp.cuda.Event()
-            end.record(stream)
         except Exception as exc:
-            if start is not None and fail_after_issued(
-                handle, self._api, stream, start, cp.cuda.Event(), layer_events, exc
-            ):
-                return handle
-            handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
+            if issued:
+                self._fail_issue(handle, job, exc)
+            else:
+                handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
             return handle
-        handle.attach(self._api, start, end, tuple(layer_events))
-        self._events.add(plan.plan_id, end)
+        self._end_issue(handle, job)
         return handle
+
+    def _issue_layer(self, job: IssueJob, layer: int) -> None:
+        """Every run's layer ``layer``, then an event compute on that layer may wait for."""
+        prep, stream = job.prep, job.stream
+        for ci, chunk in enumerate(prep.chunks):
+            for run in chunk:
+                self._record(prep, ci, run)
+                self.copy_run_layer_raw(self._runtime, prep.plan, run, layer, stream.ptr)  # type: ignore[attr-defined]
+        ev = self.cp.cuda.Event(disable_timing=True)
+        ev.record(stream)
+        job.layer_events.append(ev)
+
+    def _order_after_compute(self, job: IssueJob, compute_stream: object) -> None:
+        for compute in self._compute_streams("stream", compute_stream):
+            ready = self.cp.cuda.Event(disable_timing=True)
+            ready.record(compute)
+            job.stream.wait_event(ready)
+
+    def _end_issue(self, handle: EventTransferHandle, job: IssueJob) -> None:
+        job.end.record(job.stream)
+        handle.attach(self._api, job.start, job.end, tuple(job.layer_events))
+        self._events.add(handle.plan.plan_id, job.end)
+
+    def _fail_issue(self, handle: EventTransferHandle, job: IssueJob, exc: BaseException) -> None:
+        if not fail_after_issued(handle, self._api, job.stream, job.start, job.end, job.layer_events, exc):
+            handle._finish(TransferStatus.FAILED, TransferError(f"plan {handle.plan.plan_id}: {exc}"))
 
     def _memcpy(self, prep: PreparedPlan, stream: object) -> None:
         """One ``cudaMemcpyAsync`` (block-contiguous) or ``cudaMemcpy2DAsync`` (layer-first) per run."""
@@ -243,13 +259,14 @@ class CupyCopyEngine(StorageEngineBase):
 
     def close(self) -> None:
         """Wait for every plan still in flight (teardown only: a host wait, never in a serving step)."""
+        self._abandon_gated()
         self._events.wait_all()
 
     def cancel(self, handle: TransferHandle) -> bool:
-        """Issued CUDA copies cannot be recalled: always False (after checking the argument)."""
+        """Issued CUDA copies cannot be recalled: False, except for a gated plan none of whose layers opened."""
         if not isinstance(handle, TransferHandle):
             raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
-        return False
+        return self._cancel_gated(handle)
 
     def make_compute_wait(self, handle: TransferHandle, stream: object | None = None, layer: int | None = None) -> None:
         """Order compute after the plan (or one layer of it) on the device; the host does not block.

@@ -49,6 +49,10 @@ class TransferPlan:
             copied layer by layer and its handle reports each layer as it lands
             (:meth:`TransferHandle.wait_layer`), so compute on layer ``i`` can
             start while later layers are still copying.
+        gated: A layer-wise plan whose source compute is still writing: layer
+            ``i`` is copied only once the engine's ``open_layer(handle, i)``
+            says compute has finished it (layers open in order).  A prefill's
+            KV is stored this way while the forward pass is still running.
     """
 
     plan_id: int
@@ -61,6 +65,7 @@ class TransferPlan:
     urgent: bool = False
     wait_for: tuple[int, ...] = ()
     num_layers: int = 0
+    gated: bool = False
 
     def __post_init__(self) -> None:
         # Types only; ranges are checked against real pools by ``validate``.
@@ -77,6 +82,8 @@ class TransferPlan:
             raise PlanError(f"plan {self.plan_id}: kind must be a PlanKind and urgent a bool")
         if self.num_layers.__class__ is not int or self.num_layers < 0:
             raise PlanError(f"plan {self.plan_id}: num_layers must be an int >= 0, got {self.num_layers!r}")
+        if self.gated.__class__ is not bool or (self.gated and not self.num_layers):
+            raise PlanError(f"plan {self.plan_id}: gated must be a bool, and a gated plan must be layer-wise")
 
     @property
     def num_blocks(self) -> int:
@@ -148,9 +155,35 @@ class TransferHandle:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _layers: list[threading.Event] = field(default_factory=list, repr=False)
     _landed: set[int] = field(default_factory=set, repr=False)
+    _gates: list[threading.Event] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self._layers = [threading.Event() for _ in range(self.plan.num_layers)]
+        self._gates = [threading.Event() for _ in range(self.plan.num_layers)] if self.plan.gated else []
+
+    @property
+    def num_opened(self) -> int:
+        """Layers of a gated plan that compute has opened (all of them for any other plan)."""
+        if not self._gates:
+            return self.plan.num_layers
+        return sum(1 for g in self._gates if g.is_set())
+
+    def _check_open(self, layer: int) -> None:
+        """Engines: refuse to open a layer out of turn (before anything changes)."""
+        if not self._gates:
+            raise PlanError(f"plan {self.plan.plan_id} is not gated: it has no layers to open")
+        if layer.__class__ is not int or layer != self.num_opened:
+            raise PlanError(
+                f"plan {self.plan.plan_id}: layers open in order; the next is {self.num_opened}, not {layer!r}"
+            )
+
+    def _open(self, layer: int) -> None:
+        """Engines: compute has finished layer ``layer``; its copy may start."""
+        self._gates[layer].set()
+
+    def _wait_gate(self, layer: int, timeout: float) -> bool:
+        """Engines: wait up to ``timeout`` for layer ``layer`` to be opened."""
+        return self._gates[layer].wait(timeout) if self._gates else True
 
     def layer_done(self, layer: int) -> bool:
         """Whether layer ``layer`` of a layer-wise plan has landed (for a whole plan: whether it is DONE)."""

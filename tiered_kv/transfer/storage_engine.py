@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from tiered_kv.errors import PlanError, StorageError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.transfer.coalesce import CopyRun, chunk_runs, coalesce
-from tiered_kv.transfer.plan import TransferPlan
+from tiered_kv.transfer.plan import TransferHandle, TransferPlan
 
 LANES = ("h2d_urgent", "h2d", "d2h", "local")
 
@@ -76,6 +76,21 @@ class StorageEngineBase:
         self.max_blocks_per_chunk = max_blocks_per_chunk
         self.trace: list[tuple[int, str, int, CopyRun]] | None = [] if record else None
         self.copy_hook = copy_hook
+
+    def open_layer(self, handle: TransferHandle, layer: int, stream: object = None) -> None:
+        """Compute has finished layer ``layer`` of a gated plan's source: its copy may start.
+
+        Layers open in order.  ``stream`` (CUDA engines): the stream whose
+        kernels wrote the layer (default: the current one); the copy is ordered
+        after it on the device, and the host does not wait.
+
+        Raises:
+            PlanError: not a handle, not a gated plan, or not the next layer.
+        """
+        if not isinstance(handle, TransferHandle):
+            raise PlanError(f"open_layer() takes a TransferHandle, got {type(handle).__name__}")
+        handle._check_open(layer)
+        handle._open(layer)
 
     def close(self) -> None:
         """Let every submitted plan finish, then release the engine (no-op here; engines override)."""

@@ -1,0 +1,100 @@
+"""Preemption inside a scheduling step: make room for a request, by the policy's victims or by itself.
+
+When a running request's tokens do not fit, blocks that copies in flight will
+free are counted first (waiting beats preempting); then the policy picks
+victims among running requests not yet scheduled this step, and each is
+preempted through the manager by the mode its quote chooses.  If no choice
+frees enough, the request preempts itself, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+
+from tiered_kv.core.request import Request
+from tiered_kv.manager.outcomes import Preemption
+from tiered_kv.manager.policies import Candidate, VictimPolicy, select_victims
+from tiered_kv.manager.states import PreemptMode, Residency
+from tiered_kv.manager.tier_manager import TierManager
+from tiered_kv.sched.config import SchedulerConfig
+from tiered_kv.sched.output import SchedulerOutput
+from tiered_kv.sched.status import RequestStatus
+from tiered_kv.transfer.plan import TransferHandle
+
+S = RequestStatus
+
+
+class Preempting:
+    """The scheduler's preemption steps (a part of :class:`~tiered_kv.sched.scheduler.Scheduler`)."""
+
+    tm: TierManager
+    config: SchedulerConfig
+    policy: VictimPolicy
+    running: list[Request]
+    waiting: deque[Request]
+    swapped: deque[Request]
+    requests: dict[Hashable, Request]
+    status: dict[Hashable, RequestStatus]
+    _high_water: dict[Hashable, int]
+    _loads: dict[Hashable, TransferHandle]
+
+    def _make_room(
+        self, req: Request, n: int, scheduled: set[Hashable], promised: int, out: SchedulerOutput
+    ) -> tuple[bool, int]:
+        """Allocate ``n`` tokens for ``req``, preempting others if needed; (fits, promised blocks left)."""
+        tm, rid = self.tm, req.request_id
+        for i in range(len(self.running) + 1):  # each round preempts at least one victim, or ends
+            if i and tm.allocate(rid, n) is not None:  # the caller tried once already
+                return True, promised
+            short = tm.blocks_short(rid, n)
+            if short <= promised:
+                return False, promised - short  # copies in flight will free enough: wait for them
+            victims = select_victims(
+                self.policy, self._candidates(scheduled | {rid}), short - promised, self.config.mode, tm.cpu_room()
+            )
+            if victims is None:
+                if rid in self._loads:  # its KV is still landing: it cannot be preempted now; it waits
+                    return False, promised
+                self._preempt(req, out)  # nobody else can make room: vLLM preempts the request itself
+                return False, promised
+            for v in victims:
+                promised += self._preempt(self.requests[v.request_id], out).blocks_freed_on_completion
+        raise AssertionError(f"request {rid!r}: preemption did not make room")  # pragma: no cover
+
+    def _candidates(self, exclude: set[Hashable]) -> list[Candidate]:
+        """Running requests that may be preempted, ranked by vLLM's rule (higher rank goes first)."""
+        status, loads = self.status, self._loads
+        if self.config.scheduling == "fcfs":
+            order = list(self.running)
+        else:
+            order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return [
+            Candidate(
+                r.request_id,
+                rank,
+                len(self.tm.gpu_block_ids(r.request_id)),
+                r.num_computed_tokens,
+                r.num_prompt_tokens,
+                self.tm.quote,
+            )
+            for rank, r in enumerate(order)
+            if r.request_id not in exclude and status[r.request_id] is S.RUNNING and r.request_id not in loads
+        ]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> Preemption:
+        rid = req.request_id
+        p = self.tm.preempt(rid, self.config.mode) or self.tm.preempt(rid, "auto")  # forced swap impossible
+        assert p is not None
+        self.running.remove(req)
+        req.num_preemptions += 1
+        out.preempted.append((rid, p.mode))
+        if p.mode is PreemptMode.SWAP:
+            self.status[rid] = S.SWAPPED if p.residency is Residency.CPU else S.SWAPPING_OUT
+            self.swapped.append(req)
+        else:
+            self._high_water[rid] = max(self._high_water.get(rid, 0), req.num_computed_tokens)
+            req.num_computed_tokens = 0
+            self.status[rid] = S.WAITING
+            self.waiting.appendleft(req)
+        return p
