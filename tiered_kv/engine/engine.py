@@ -10,8 +10,10 @@ copy, the engine waits for that copy.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,12 +21,15 @@ import torch
 
 from tiered_kv.core.request import Request
 from tiered_kv.engine.model import ModelConfig, TinyLlama
-from tiered_kv.errors import InvalidTransitionError, TieredKVError
-from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, TieredKVError
+from tiered_kv.manager.chain_api import check_links
+from tiered_kv.manager.cost_model import CostModel, TierLink
 from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.tiers.namespace import KVNamespace
+from tiered_kv.tiers.stack import TierStack
 from tiered_kv.transfer.event_handle import EventTransferHandle
 from tiered_kv.transfer.factory import make_copy_engine
 from tiered_kv.transfer.plan import TransferHandle
@@ -71,6 +76,15 @@ class Engine:
             writes them.
         metrics_port: Serve Prometheus metrics on this port of 127.0.0.1 (0: a
             free port; see :meth:`serve_metrics`).  Needs the metrics extra.
+        disk_dir / disk_bytes: A disk tier below the CPU tier, in this directory,
+            using at most this many bytes (see :class:`~tiered_kv.tiers.TierStack`).
+        redis_url / remote_ttl_s: A remote tier on this Redis server, lowest of
+            all; blocks live there this long after their last use (``None``: the
+            server's own eviction decides).  Needs the redis extra.
+        demote: How blocks go down the tiers: ``"write_back"`` (before they would
+            be evicted), ``"write_through"`` (as soon as stored) or ``"none"``.
+        tier_links: Medium -> :class:`~tiered_kv.manager.cost_model.TierLink`, to
+            price loads from the tiers below the CPU (defaults: an NVMe disk, a 10 GbE network).
     """
 
     def __init__(
@@ -95,11 +109,20 @@ class Engine:
         evict_window: int = 64,
         layerwise: bool = False,
         metrics_port: int | None = None,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int = 1 << 30,
+        redis_url: str | None = None,
+        remote_ttl_s: float | None = None,
+        demote: str = "write_back",
+        tier_links: Mapping[str, TierLink] | None = None,
     ) -> None:
         if metrics_port is not None:  # a bad port or a missing extra fails before anything is allocated
             from tiered_kv.obs.prometheus import check_port
 
             check_port(metrics_port)
+        lower = [m for m, on in (("DISK", disk_dir is not None), ("REMOTE", redis_url is not None)) if on]
+        if lower:
+            check_links(tier_links, lower)
         self.config = model_config or ModelConfig()
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = device
@@ -141,12 +164,32 @@ class Engine:
         self.forced: dict[Hashable, list[int]] = {}
         self.stats = EngineStats()
         self.metrics_server: MetricsServer | None = None
-        if metrics_port is not None:
-            try:
+        self.tier_stack: TierStack | None = None  # the tiers below the CPU, when there are any
+        try:
+            if lower:
+                options = {"disk_dir": disk_dir, "disk_bytes": disk_bytes, "redis": redis_url}
+                options.update(remote_ttl_s=remote_ttl_s, demote=demote)
+                self.tier_stack = self._attach_tiers(tm, hash_fn, tier_links, options)
+            if metrics_port is not None:
                 self.serve_metrics(metrics_port)
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
+
+    def _attach_tiers(
+        self, tm: TierManager, hash_fn: str, links: Mapping[str, TierLink] | None, options: dict[str, Any]
+    ) -> TierStack:
+        """Build the tiers below the CPU tier (:class:`TierStack` ``options``) and hand them to the manager."""
+        if tm.store is None:
+            raise InvalidArgumentError("disk_dir= and redis_url= stage through the CPU tier: num_cpu_blocks=0")
+        cpu = self.tiers["CPU"]
+        stack = TierStack(tm.store, cpu, KVNamespace(self.model_id, cpu.spec, f"{hash_fn}/v1/seed=0"), **options)
+        try:
+            tm.attach_tiers(stack.chain, stack.engines, links)
+        except BaseException:
+            stack.close()
+            raise
+        return stack
 
     def add_request(
         self, request_id: Hashable, prompt: Sequence[int], max_tokens: int, forced_output: Sequence[int] | None = None
@@ -277,8 +320,15 @@ class Engine:
         if self.metrics_server is not None:
             self.metrics_server.publish()
 
+    @property
+    def model_id(self) -> str:
+        """The model's name in a tier's namespace: its config decides its weights, so a digest of it."""
+        return f"tinyllama-{hashlib.blake2b(repr(self.config).encode(), digest_size=8).hexdigest()}"
+
     def close(self) -> None:
         if self.metrics_server is not None:
             self.metrics_server.close()
+        if self.tier_stack is not None:
+            self.tier_stack.close()  # its I/O engines finish what is queued, then the disk is released
         if hasattr(self.copy, "close"):
             self.copy.close()

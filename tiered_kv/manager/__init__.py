@@ -1,9 +1,9 @@
 """Layer 2: where KV lives.  The tier manager, the CPU store, copies in flight, pricing and victim policies."""
 
-from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.cost_model import DEFAULT_TIER_LINKS, CostModel, TierLink
 from tiered_kv.manager.cpu_store import CPUStore
-from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters
-from tiered_kv.manager.outcomes import Admission, Completion, Decision, Preemption, Resumption
+from tiered_kv.manager.metrics import LowerTierCounters, MetricsSnapshot, TierCounters
+from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
 from tiered_kv.manager.policies import (
     POLICIES,
     Candidate,
@@ -15,12 +15,13 @@ from tiered_kv.manager.policies import (
     get_policy,
     select_victims,
 )
-from tiered_kv.manager.pricing import Quote
+from tiered_kv.manager.pricing import LoadQuote, Quote
 from tiered_kv.manager.states import PreemptMode, Residency
 from tiered_kv.manager.store import BlockStore, LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEvent
 from tiered_kv.manager.tier_manager import TierManager
 
 __all__ = [
+    "DEFAULT_TIER_LINKS",
     "POLICIES",
     "Admission",
     "BlockStore",
@@ -32,8 +33,11 @@ __all__ = [
     "Decision",
     "LRUPolicy",
     "LargestPolicy",
+    "LoadDecision",
+    "LoadQuote",
     "LoadStoreSpec",
     "LookupResult",
+    "LowerTierCounters",
     "MetricsSnapshot",
     "PreemptMode",
     "Preemption",
@@ -44,6 +48,7 @@ __all__ = [
     "Resumption",
     "StoreEvent",
     "TierCounters",
+    "TierLink",
     "TierManager",
     "VictimPolicy",
     "get_policy",

@@ -150,6 +150,27 @@ class CPUStore(BlockStore):
         except TypeError:
             _bad_key("key", key)
 
+    def oldest_evictable(self, n: int) -> list[Key]:
+        """The first ``n`` ready, unpinned keys in the policy's order (the next eviction victims, roughly).
+
+        Cheaper than :meth:`entries` when ``n`` is small: it stops at the ``n``-th.
+        """
+        checks.count("n", n)
+        out: list[Key] = []
+        if n:
+            entries = self._entries
+            for key in self._policy.order():
+                if entries[key].ref_cnt == 0:
+                    out.append(key)
+                    if len(out) == n:
+                        break
+        return out
+
+    def num_loads(self, key: Key) -> int:
+        """Loads in flight that read ``key`` (its pins); 0 when it is absent or pending."""
+        entry = self._entries.get(check_key("key", key))
+        return entry.ref_cnt if entry is not None and entry.ref_cnt > 0 else 0
+
     def room_for(self, keys: Sequence[Key]) -> int:
         """How many absent keys a ``prepare_store`` that protects all of ``keys`` could take now.
 

@@ -2,7 +2,7 @@
 
 Every reference on a GPU block is an entry of some request's block table or a
 hold of a copy in flight, and every pin in the CPU store is a swapped request's
-copy or a load in flight: nothing else may own anything, so a block nobody
+copy, a load in flight or a move of the tiers below the CPU: nothing else may own anything, so a block nobody
 owns is free and a block somebody owns is never handed out.
 """
 
@@ -21,6 +21,7 @@ def check_ownership(
     store: BlockStore | None,
     transfers: Transfers,
     swapped: Mapping[Hashable, Sequence[Key] | None],
+    other_pins: Mapping[Key, int] | None = None,
 ) -> None:
     """Assert that ref counts and pins are exactly their owners.
 
@@ -48,7 +49,7 @@ def check_ownership(
     if store is None:
         return
     store.check_invariants()
-    pins: dict[Key, int] = {}
+    pins: dict[Key, int] = dict(other_pins or {})
     for keys in swapped.values():
         for k in keys or ():
             pins[k] = pins.get(k, 0) + 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 
 from tiered_kv.core.block_pool import BlockPool
@@ -67,6 +67,33 @@ class TierCounters:
         return replace(self)
 
 
+@dataclass(slots=True)
+class LowerTierCounters:
+    """Monotonic block counters of one tier below the CPU (disk, remote), kept by the manager.
+
+    Attributes:
+        hit_blocks: Prefix blocks of admitted requests that this was the highest tier to hold.
+        declined_blocks: Of those, blocks not loaded: dearer than recomputing (the load
+            decision log says why), no room to stage them in the CPU tier, or after a
+            block of the prefix that could not be loaded.
+        loaded_blocks: Blocks staged from here into the CPU tier (for a request, or on the
+            way to a lower tier).
+        load_failed_blocks: Blocks a load did not bring (missing, corrupt, an I/O error).
+        stored_blocks: Blocks written here from the CPU tier.
+        store_failed_blocks: Blocks a write did not store (full, an I/O error, the server down).
+    """
+
+    hit_blocks: int = 0
+    declined_blocks: int = 0
+    loaded_blocks: int = 0
+    load_failed_blocks: int = 0
+    stored_blocks: int = 0
+    store_failed_blocks: int = 0
+
+    def copy(self) -> LowerTierCounters:
+        return replace(self)
+
+
 @dataclass(frozen=True, slots=True)
 class MetricsSnapshot:
     """Counters plus the gauges of one instant."""
@@ -82,6 +109,8 @@ class MetricsSnapshot:
     cpu_pinned_blocks: int  # pinned by swapped requests and loads, or being written
     plans_in_flight: int
     requests_by_residency: dict[str, int] = field(default_factory=dict)
+    lower_tiers: dict[str, LowerTierCounters] = field(default_factory=dict)  # per medium below the CPU
+    chain_lost_blocks: int = 0  # blocks evicted from the CPU tier while no tier below held them
 
     @property
     def gpu_hit_rate(self) -> float:
@@ -109,6 +138,9 @@ class MetricsSnapshot:
             cpu_hit_rate=self.cpu_hit_rate,
             requests_by_residency=dict(self.requests_by_residency),
         )
+        if self.lower_tiers:
+            d["lower_tiers"] = {m: asdict(c) for m, c in self.lower_tiers.items()}
+            d["chain_lost_blocks"] = self.chain_lost_blocks
         return d
 
 
@@ -119,6 +151,8 @@ def snapshot(
     pool: BlockPool,
     store: BlockStore | None,
     residencies: Iterable[Residency],
+    lower_tiers: Mapping[str, LowerTierCounters] | None = None,
+    chain_lost_blocks: int = 0,
 ) -> MetricsSnapshot:
     """A snapshot of the manager's counters (copied) and of the tiers' gauges now."""
     by_residency: dict[str, int] = {}
@@ -140,4 +174,6 @@ def snapshot(
         cpu_pinned_blocks=store.num_pinned + store.num_pending if store is not None else 0,
         plans_in_flight=in_flight,
         requests_by_residency=by_residency,
+        lower_tiers={m: c.copy() for m, c in (lower_tiers or {}).items()},
+        chain_lost_blocks=chain_lost_blocks,
     )

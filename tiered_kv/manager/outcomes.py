@@ -12,7 +12,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 from tiered_kv.core.block import KVCacheBlock
-from tiered_kv.manager.pricing import Quote
+from tiered_kv.manager.pricing import LoadQuote, Quote
 from tiered_kv.manager.states import PreemptMode, Residency
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
 
@@ -25,10 +25,12 @@ class Admission:
         new_blocks: GPU blocks allocated (for CPU hits, new tokens and lookahead).
         num_computed_tokens: Prefix tokens found cached on the GPU: the
             request's progress now (the scheduler sets it).
-        num_loading_tokens: Prefix tokens found on the CPU tier, arriving by
-            ``plan``; they count as computed when the plan's completion says so.
+        num_loading_tokens: Prefix tokens found on the CPU tier (or below it, to be
+            staged through it), arriving by ``plan``; they count as computed when the
+            load's ONBOARD completion says so (it may say fewer, if some did not land).
         num_new_tokens: Tokens to compute after the hits (capped by what was asked).
-        plan: The onboarding copy, or ``None``.
+        plan: The onboarding copy, or ``None``.  For a prefix staged from below the
+            CPU tier, its first staging move; the request still gets one ONBOARD completion.
     """
 
     new_blocks: list[KVCacheBlock]
@@ -62,6 +64,24 @@ class Decision:
     mode: PreemptMode
     reason: str
     quote: Quote
+
+
+@dataclass(frozen=True, slots=True)
+class LoadDecision:
+    """How much of a new request's prefix, found below the GPU, admission chose to load, and why.
+
+    Attributes:
+        request_id: The request.
+        quote: The prices the choice was made from (its ``num_blocks`` is what was worth loading).
+        num_blocks: Leading blocks actually set to load; fewer than the quote's when the
+            CPU tier had no room to stage the rest.
+        reason: Why, in words.
+    """
+
+    request_id: Hashable
+    quote: LoadQuote
+    num_blocks: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,19 +1,22 @@
-"""The one place that prices a preemption: a :class:`Quote` per request.
+"""The one place that prices moving KV against recomputing it: :class:`Quote` (preemption), :class:`LoadQuote` (load).
 
-Victim policies rank by it, ``TierManager.preempt`` chooses a mode from it and
-the scheduler reads it; nobody else computes a swap or recompute cost.  Sizes
+Victim policies rank by the quote, ``TierManager.preempt`` chooses a mode from it
+and the scheduler reads it; admission decides from a load quote how much of a
+prefix found below the GPU is worth loading.  Nobody else computes a swap,
+load or recompute cost.  Sizes
 come from the KV spec of the storage in use, so a cost model built for another
 model's KV shape cannot slip in (the manager refuses it at construction).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.cost_model import CostModel, TierLink
 from tiered_kv.manager.states import PreemptMode
 from tiered_kv.storage.spec import KVSpec
 
@@ -168,3 +171,85 @@ def checked_cost_model(spec: KVSpec | None, cost_model: CostModel | None, engine
             f"{spec.head_dim} x {spec.dtype}); build the cost model for this KV shape"
         )
     return cost_model
+
+
+@dataclass(frozen=True, slots=True)
+class LoadQuote:
+    """How much of a new request's prefix, found below the GPU, is worth loading rather than recomputing.
+
+    A block below the CPU tier is staged into it over its tier's :class:`TierLink`,
+    then copied to the GPU; a block on the CPU tier only pays the copy.  The
+    quote loads the leading ``num_blocks`` that minimise load time plus the
+    prefill of everything after them (a later block is useless without the ones
+    before it, so only a prefix can be loaded).
+
+    Attributes:
+        request_id: The request.
+        media: For each block of the prefix the tiers hold, the medium it would come from.
+        num_blocks: Leading blocks to load; the rest are recomputed.
+        load_s: Estimated time to load those blocks.
+        saved_s: Prefill time they save.
+        rest_load_s: Estimated time to load the blocks declined (0 when none is).
+        rest_recompute_s: Prefill time of the blocks declined.
+        reason: The decision, in words.
+    """
+
+    request_id: Hashable
+    media: tuple[str, ...]
+    num_blocks: int
+    load_s: float
+    saved_s: float
+    rest_load_s: float
+    rest_recompute_s: float
+    reason: str
+
+    @property
+    def num_declined(self) -> int:
+        """Blocks found but recomputed."""
+        return len(self.media) - self.num_blocks
+
+
+def _spell(media: Sequence[str]) -> str:
+    return ", ".join(f"{n} from {m}" for m, n in Counter(media).items())
+
+
+def price_load(
+    cost_model: CostModel,
+    request_id: Hashable,
+    media: Sequence[str],
+    links: Sequence[TierLink | None],
+    context_tokens: int,
+    num_tokens: int,
+) -> LoadQuote:
+    """Price loading a prefix found below the GPU, block by block, against recomputing it.
+
+    Args:
+        cost_model: CPU-to-GPU copy and prefill estimates.
+        request_id: The request.
+        media: Per block of the prefix found, its medium.
+        links: Per block, the link that stages it into the CPU tier (``None``: it is on the CPU tier).
+        context_tokens: Tokens before the prefix (cached on the GPU).
+        num_tokens: The request's tokens; the last one is always computed.
+    """
+    bs, nbytes = cost_model.block_size, cost_model.bytes_per_block
+    n = len(media)
+    h2d = cost_model.swap_in_time(1, 0)
+    loads = [0.0]  # loads[k]: time to load the first k blocks
+    for link in links:
+        loads.append(loads[-1] + h2d + (link.load_time(1, nbytes) if link is not None else 0.0))
+    for k in range(1, n + 1):
+        loads[k] += cost_model.per_copy_overhead_s
+    starts = [context_tokens + k * bs for k in range(n + 1)]
+    prefill = [cost_model.prefill_time(num_tokens - start, start) for start in starts]
+    best = min(range(n + 1), key=lambda k: (loads[k] + prefill[k], -k))  # a tie loads: the data is there already
+    load_s, saved = loads[best], prefill[0] - prefill[best]
+    rest_load, rest_rec = loads[n] - loads[best], prefill[best] - prefill[n]
+    ms = 1e3
+    if best == n:
+        reason = f"load {n} blocks ({_spell(media)}): {load_s * ms:.3g} ms, against {saved * ms:.3g} ms to recompute"
+    else:
+        reason = (
+            f"recompute {n - best} blocks ({_spell(media[best:])}): loading them would take {rest_load * ms:.3g} ms, "
+            f"recomputing {rest_rec * ms:.3g} ms; load {best} blocks"
+        )
+    return LoadQuote(request_id, tuple(media), best, load_s, saved, rest_load, rest_rec, reason)

@@ -11,12 +11,15 @@ the GPU blocks they read, loads pin the store blocks they read, destinations
 are fresh blocks nobody can hit until the copy lands, and a failed or
 cancelled copy leaves the KV where it was.  Not thread-safe: a second thread
 entering raises :class:`~tiered_kv.errors.ConcurrentUseError`.
+
+Tiers below the CPU store (disk, remote) attach with :meth:`TierManager.attach_tiers`;
+what they change is in :mod:`~tiered_kv.manager.lower_tiers`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 from tiered_kv import checks
@@ -26,13 +29,15 @@ from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError, UnknownRequestError
-from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.chain_api import StoreChain
+from tiered_kv.manager.cost_model import CostModel, TierLink
 from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.guard import exclusive
 from tiered_kv.manager.invariants import check_ownership
+from tiered_kv.manager.lower_tiers import LowerTiers
 from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
-from tiered_kv.manager.outcomes import Admission, Completion, Decision, Preemption, Resumption
+from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
 from tiered_kv.manager.pricing import Quote, checked_cost_model, price
 from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, Residency
 from tiered_kv.manager.swap import SwappedKV, Swapper
@@ -130,6 +135,7 @@ class TierManager:
         self._off = Offloader(self.gpu, self.store, self.transfers) if self.store else None
         self.counters = TierCounters()
         self.decision_log: list[Decision] = []
+        self._lower: LowerTiers | None = None
         self._held: dict[Hashable, _Held] = {}
         self._tick = 0
         self._lock = threading.RLock()
@@ -203,6 +209,31 @@ class TierManager:
         t = self.transfers.get(checks.count("plan_id", plan_id))
         return t.handle if t is not None else None
 
+    # ============================================================ tiers below the CPU
+    @exclusive
+    def attach_tiers(
+        self, chain: StoreChain, engines: Mapping[str, CopyEngine], links: Mapping[str, TierLink] | None = None
+    ) -> None:
+        """Put tiers below the CPU store (disk, remote): prefixes load from them, blocks go down to them.
+
+        How: :mod:`~tiered_kv.manager.lower_tiers`.
+
+        ``chain``: a :class:`tiered_kv.tiers.TierChain` whose first tier is :attr:`store`;
+        ``engines``: medium -> its I/O engine; ``links``: medium -> :class:`~.cost_model.TierLink`
+        (default :data:`~.cost_model.DEFAULT_TIER_LINKS`).  Raises :class:`InvalidArgumentError`
+        (see :func:`~.chain_api.check_tiers`) or :class:`InvalidTransitionError`; nothing changes then.
+        """
+        if self._lower is not None:
+            raise InvalidTransitionError("tiers below the CPU are attached already")
+        if self.store is None or self._off is None or not self.caching:
+            raise InvalidArgumentError("tiers below the CPU need a CPU tier (num_cpu_blocks > 0) and prefix caching")
+        self._lower = LowerTiers(chain, engines, links, self.store, self.transfers, self._off, self.cost_model)
+
+    @property
+    def load_log(self) -> list[LoadDecision]:
+        """Why admission loaded (or recomputed) what it found below the CPU, one entry per such admission."""
+        return list(self._lower.decisions) if self._lower is not None else []
+
     # ============================================================ admission
     @exclusive
     def admit(self, request: Request, max_new_tokens: int, num_lookahead_tokens: int = 0) -> Admission | None:
@@ -224,12 +255,21 @@ class TierManager:
                 f"request {rid!r}: a request to admit has no computed tokens, got {request.num_computed_tokens}"
             )
         gpu_hits, n_gpu = self.gpu.get_computed_blocks(request)
-        keys = self._off.cpu_hits(request, len(gpu_hits)) if self._off is not None and self.caching else []
+        lower = self._lower
+        found = lower.find(request, len(gpu_hits), n_gpu) if lower is not None else None
+        if found is not None:
+            keys = found.keys
+        else:
+            keys = self._off.cpu_hits(request, len(gpu_hits)) if self._off is not None and self.caching else []
         n_cpu = len(keys) * self.block_size
         n_new = min(max_new_tokens, request.num_tokens - n_gpu - n_cpu)
         need = self.gpu.num_blocks_to_allocate(request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens)
         if need > self.gpu.block_pool.get_num_free_blocks():
             return None
+        if found is not None:  # fits: pin and stage now (fewer blocks need no more room)
+            reserved = lower.reserve(found)  # type: ignore[union-attr]
+            keys, n_cpu = reserved.keys, len(reserved.keys) * self.block_size
+            n_new = min(max_new_tokens, request.num_tokens - n_gpu - n_cpu)
         new = self.gpu.allocate_slots(
             request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, num_external_computed_tokens=n_cpu
         )
@@ -239,9 +279,12 @@ class TierManager:
         plan = None
         if keys:
             assert self._off is not None
-            dst = self.gpu.get_blocks(rid)[len(gpu_hits) : len(gpu_hits) + len(keys)]
-            t = self._off.start_load(request, keys, list(dst), n_gpu + n_cpu)
-            h.residency, h.plan_id, plan = Residency.LOADING, t.plan.plan_id, t.plan
+            dst = list(self.gpu.get_blocks(rid)[len(gpu_hits) : len(gpu_hits) + len(keys)])
+            if found is not None:  # staging through the CPU tier: nothing to cancel until the GPU copy starts
+                t, staging = lower.start(reserved, dst, n_gpu)  # type: ignore[union-attr]
+            else:
+                t, staging = self._off.start_load(request, keys, dst, n_gpu + n_cpu), False
+            h.residency, h.plan_id, plan = Residency.LOADING, None if staging else t.plan.plan_id, t.plan
         self._tick += 1
         return Admission(new, n_gpu, n_cpu, n_new, plan)
 
@@ -442,11 +485,13 @@ class TierManager:
         With on-evict offload it then tops up the saves before eviction: once
         per scheduler step is often enough.
         """
-        done = [self._settle(t) for t in self.transfers.finished()]
+        done = [c for t in self.transfers.finished() if (c := self._settle(t)) is not None]
         self._drain_events()
         if self.offload == "on_evict":
             assert self._off is not None
             self._off.save_window(self.evict_window)
+        if self._lower is not None:
+            self._lower.tick()
         return done
 
     @exclusive
@@ -454,10 +499,13 @@ class TierManager:
         """Settle one final handle now (instead of at the next ``poll``).
 
         Raises:
-            PlanError: unknown, settled already, not final, or not the plan this
-                manager emitted under its id.  Nothing changes.
+            PlanError: unknown, settled already, not final, not the plan this
+                manager emitted under its id, or a move between tiers below the
+                GPU that ``poll`` settles.  Nothing changes.
         """
-        return self._settle(self.transfers.take(checks.instance("handle", handle, TransferHandle)))
+        c = self._settle(self.transfers.take(checks.instance("handle", handle, TransferHandle)))
+        assert c is not None, "only moves of the tiers below the GPU settle silently"
+        return c
 
     @exclusive
     def cancel(self, request_id: Hashable) -> bool:
@@ -487,7 +535,9 @@ class TierManager:
         """Block until some copy in flight is final (real engines); False if nothing is in flight."""
         return self.transfers.wait(checks.timeout("timeout", timeout))
 
-    def _settle(self, t: Transfer) -> Completion:
+    def _settle(self, t: Transfer) -> Completion | None:
+        if self._lower is not None and self._lower.owns(t):
+            return self._settle_staged(t)
         kind, rid = t.plan.kind, t.plan.request_id
         ok, n_tok = t.ok, 0
         if kind is PlanKind.OFFLOAD:
@@ -516,13 +566,27 @@ class TierManager:
         res = self._held[rid].residency if rid in self._held else None
         return Completion(t.plan.plan_id, rid, kind, ok, n_tok, res, t.handle.num_bytes, t.handle.elapsed_s)
 
+    def _settle_staged(self, t: Transfer) -> Completion | None:
+        """A move of the chain settled; the last staging move of a load starts its GPU copy, or ends the load."""
+        out = self._lower.settle(t)  # type: ignore[union-attr]
+        if out is None:
+            return None
+        rid, gpu_copy = out
+        h = self._held[rid]
+        if gpu_copy is not None:
+            h.plan_id = gpu_copy.plan.plan_id
+            return None
+        h.residency = Residency.GPU  # nothing landed: the request computes all of it, keeping its GPU hits
+        return Completion(t.plan.plan_id, rid, PlanKind.ONBOARD, True, 0, Residency.GPU)
+
     # ============================================================== metrics
     @exclusive
     def metrics(self) -> MetricsSnapshot:
         """Counters (evictions as of the last ``poll``) and the gauges of this instant."""
         residencies = [h.residency for h in self._held.values()]
-        t = self.transfers
-        return snapshot(self.counters, t.submitted, len(t), self.gpu.block_pool, self.store, residencies)
+        t, low, pool = self.transfers, self._lower, self.gpu.block_pool
+        lower = (low.counters, low.lost_blocks) if low is not None else ({}, 0)
+        return snapshot(self.counters, t.submitted, len(t), pool, self.store, residencies, *lower)
 
     def _drain_events(self) -> None:
         """Evictions reach the manager as the pool's events, drained here (the pool never calls up)."""
@@ -532,6 +596,13 @@ class TierManager:
 
     @exclusive
     def check_invariants(self) -> None:
-        """Assert ownership: every GPU ref is a table entry or a copy's hold; every store pin a swap's or a load's."""
+        """Assert ownership: every GPU ref is a table entry or a copy's hold; every store pin a swap's or a load's.
+
+        With tiers below the CPU: also every store's invariants, and that every
+        move of the chain in flight pins its source and keeps its destination pending.
+        """
         swapped = {rid: h.swapped.keys if h.swapped is not None else None for rid, h in self._held.items()}
-        check_ownership(self.gpu, self.store, self.transfers, swapped)
+        low = self._lower
+        check_ownership(self.gpu, self.store, self.transfers, swapped, low.cpu_pins() if low is not None else None)
+        if low is not None:
+            low.check_invariants()

@@ -36,6 +36,8 @@ class Transfer:
         in_place: Give the holds back where the blocks were in the free queue
             (a save before eviction), instead of by the caching rule.
         payload: What the tier manager needs to settle the copy.
+        engine: The engine it was submitted to, when not the GPU<->CPU copy engine
+            (the I/O engine of a tier below the CPU).
     """
 
     plan: TransferPlan
@@ -43,6 +45,7 @@ class Transfer:
     gpu_holds: list[KVCacheBlock] = field(default_factory=list)
     in_place: bool = False
     payload: object = None
+    engine: CopyEngine | None = None
 
     @property
     def ok(self) -> bool:
@@ -101,19 +104,20 @@ class Transfers:
         gpu_holds: Sequence[KVCacheBlock] = (),
         in_place: bool = False,
         payload: object = None,
+        engine: CopyEngine | None = None,
     ) -> Transfer:
-        """Hold ``gpu_holds`` and submit ``plan``; whatever the engine raises is a failed copy."""
+        """Hold ``gpu_holds`` and submit ``plan`` to ``engine`` (default: the copy engine); a raise is a failed copy."""
         holds = list(gpu_holds)
         if holds:
             self.gpu_pool.touch(holds)
         try:
-            handle = self.engine.submit(plan)
+            handle = (self.engine if engine is None else engine).submit(plan)
             if not isinstance(handle, TransferHandle) or handle.plan != plan:
                 raise PlanError(f"copy engine returned {handle!r} for plan {plan.plan_id}, not its handle")
         except Exception as exc:
             handle = TransferHandle(plan)
             handle._finish(TransferStatus.FAILED, exc)
-        t = Transfer(plan, handle, holds, in_place, payload)
+        t = Transfer(plan, handle, holds, in_place, payload, engine)
         self._live[plan.plan_id] = t
         self.submitted += 1
         return t
@@ -140,12 +144,16 @@ class Transfers:
 
         Raises:
             PlanError: the plan is not in flight (unknown or settled already),
-                is not final, or differs from the plan emitted under its id.
+                is not final, differs from the plan emitted under its id, or ran
+                on another engine than the copy engine (a move between tiers
+                below the GPU, which only :meth:`finished` hands out).
         """
         plan = handle.plan
         t = self._live.get(plan.plan_id)
         if t is None:
             raise PlanError(f"plan {plan.plan_id} is not in flight (unknown or already completed)")
+        if t.engine is not None:
+            raise PlanError(f"plan {plan.plan_id} moves blocks below the GPU ({plan.src_medium} -> {plan.dst_medium})")
         if plan != t.plan:
             raise PlanError(
                 f"plan {plan.plan_id} does not match the plan emitted for request {t.plan.request_id!r}: "
@@ -160,7 +168,7 @@ class Transfers:
         """Ask the engine to cancel; True when the handle is now final (cancelled, or finished first)."""
         t = self._live[plan_id]
         try:
-            self.engine.cancel(t.handle)
+            (self.engine if t.engine is None else t.engine).cancel(t.handle)
         except Exception:  # a foreign engine that cannot cancel: the copy runs on
             pass
         return t.handle.done()

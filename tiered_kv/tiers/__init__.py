@@ -39,6 +39,7 @@ _WHERE = {
     "RedisIO": "redis_io",
     "RedisStore": "redis_store",
     "RedisStoreStats": "redis_store",
+    "TierStack": "stack",
 }
 
 __all__ = sorted(_WHERE)

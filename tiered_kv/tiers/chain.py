@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from tiered_kv import checks
 from tiered_kv.errors import BlockStateError, InvalidArgumentError
+from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.store import BlockStore, Key, LoadStoreSpec, check_keys
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
@@ -316,16 +317,19 @@ class TierChain:
         """Blocks a write-back tier should demote now: its least recent evictable ones not yet held below.
 
         Looks at the tier's ``writeback_reserve`` least recent evictable
-        entries (O(resident entries)); once they are held below, the next
-        evictions drop only blocks that the chain still holds.
+        entries (for a CPU-store-based tier, stopping there); once they are
+        held below, the next evictions drop only blocks that the chain still holds.
         """
         tier = self._tier("tier", tier)
         policy = self.policies[tier]
         if policy.demote != "write_back" or policy.writeback_reserve == 0:
             return []
-        below = self.stores[tier + 1]
-        clean_candidates = [e.key for e in self.stores[tier].entries() if e.ready and e.ref_cnt == 0]
-        oldest = clean_candidates[: policy.writeback_reserve]
+        below, store = self.stores[tier + 1], self.stores[tier]
+        if isinstance(store, CPUStore):  # stops at the reserve instead of listing every entry
+            oldest = store.oldest_evictable(policy.writeback_reserve)
+        else:
+            clean_candidates = [e.key for e in store.entries() if e.ready and e.ref_cnt == 0]
+            oldest = clean_candidates[: policy.writeback_reserve]
         return [k for k in oldest if self._accepts(below, k) and not below.contains(k)]
 
     def only_copies(self, tier: int, keys: Sequence[Key]) -> list[Key]:

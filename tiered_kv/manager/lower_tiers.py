@@ -1,0 +1,306 @@
+"""The tiers below the CPU under the tier manager: prefix loads through the chain, demotions, counters.
+
+With a chain attached (:meth:`TierManager.attach_tiers`), admitting a request
+goes like this:
+
+1. :meth:`LowerTiers.find` asks the chain, for the blocks of the prefix not
+   cached on the GPU, which is the highest tier holding each (the cheapest to
+   load from), and :func:`~tiered_kv.manager.pricing.price_load` decides how
+   many leading blocks are worth loading rather than recomputing.
+2. :meth:`LowerTiers.reserve` pins the blocks already on the CPU tier (so that
+   staging cannot evict them) and reserves one move of the chain per run of
+   blocks in one tier below it: their source is pinned there and their CPU
+   slots pending.  A run the CPU tier has no room for ends the prefix.
+3. :meth:`LowerTiers.start` submits the moves to their tiers' I/O engines.
+   The request is LOADING.
+4. As each move settles (:meth:`LowerTiers.settle`), what landed is pinned on
+   the CPU tier; a block that did not land (missing, corrupt, an I/O error)
+   ends the prefix there.  When the last one settles, the prefix up to the
+   first block that did not land is copied to the GPU by the usual ONBOARD
+   copy, whose completion reports the tokens loaded; the rest of the request is
+   recomputed.  Nothing that was found is lost: blocks that landed beyond a
+   failure stay cached on the CPU tier.
+
+So the scheduler sees what it sees without the chain: an admission that is not
+runnable, then one ONBOARD completion.  Between the two, no block is lost or
+reused: the chain's moves pin their sources and keep their destinations
+pending in every tier, and the load keeps its CPU blocks pinned until its GPU
+copy pins them itself.  Demotions (:mod:`.demotion`) run at every poll.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from tiered_kv.core.block import KVCacheBlock
+from tiered_kv.core.request import Request
+from tiered_kv.manager.chain_api import TierMove, check_tiers
+from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.cpu_store import CPUStore
+from tiered_kv.manager.demotion import Demoter, Hop
+from tiered_kv.manager.metrics import LowerTierCounters
+from tiered_kv.manager.offload import Offloader
+from tiered_kv.manager.outcomes import LoadDecision
+from tiered_kv.manager.pricing import LoadQuote, price_load
+from tiered_kv.manager.store import Key
+from tiered_kv.manager.swap import PrivateKey
+from tiered_kv.manager.transfers import Transfer, Transfers
+from tiered_kv.transfer.plan import PlanKind
+
+
+@dataclass(slots=True)
+class Found:
+    """What admission found below the GPU (nothing reserved yet).
+
+    Attributes:
+        keys / tiers: The leading blocks worth loading, and the tier each comes from.
+        found: The tier of every block of the prefix the chain holds.
+        quote: The load quote (``None`` when nothing could be loaded).
+    """
+
+    request: Request
+    keys: list[Key]
+    tiers: list[int]
+    found: tuple[int, ...]
+    quote: LoadQuote | None
+
+
+@dataclass(slots=True)
+class Reserved:
+    """A load reserved at admission: its blocks, their CPU pins, and a staging move per run below the CPU."""
+
+    found: Found
+    keys: list[Key]
+    pinned: list[Key]
+    moves: list[tuple[int, TierMove]]  # (position of the run's first block, its move)
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One request's load while its blocks are staged into the CPU tier.
+
+    Attributes:
+        keys: The prefix to load; ``dst`` the request's GPU blocks for it.
+        context_tokens: Tokens before it (cached on the GPU).
+        good: Leading blocks of ``keys`` that are (or may still be) on the CPU tier.
+        pinned: Keys this load pins on the CPU tier.
+        waiting: Staging moves not settled yet.
+    """
+
+    request: Request
+    keys: list[Key]
+    dst: list[KVCacheBlock]
+    context_tokens: int
+    good: int
+    waiting: int
+    pinned: list[Key] = field(default_factory=list)
+
+
+class LowerTiers:
+    """A chain of stores below the CPU tier, wired to the manager's CPU store, copies and counters.
+
+    Args:
+        chain, engines, links: As :meth:`TierManager.attach_tiers` (checked here, before anything changes).
+        store: The manager's CPU store (the chain's tier 0).
+        transfers: The manager's copies in flight (moves of the chain go there too).
+        offloader: Starts the CPU -> GPU copy of a staged prefix.
+        cost_model: Prices loads.
+    """
+
+    def __init__(
+        self,
+        chain: object,
+        engines: object,
+        links: object,
+        store: CPUStore,
+        transfers: Transfers,
+        offloader: Offloader,
+        cost_model: CostModel,
+    ) -> None:
+        self.chain, self.engines, self.links = check_tiers(chain, store, engines, links)
+        self.store = store
+        self.transfers = transfers
+        self.offloader = offloader
+        self.cost_model = cost_model
+        self.block_size = cost_model.block_size
+        self.media = tuple(s.medium for s in self.chain.stores)
+        self.counters = {m: LowerTierCounters() for m in self.media[1:]}
+        self.lost_blocks = 0
+        self.decisions: list[LoadDecision] = []
+        self.demoter = Demoter(self.chain, store, self._submit)
+        self._jobs: dict[Hashable, Job] = {}
+        store.enable_events = True  # its stores feed write-through, its evictions the count of blocks lost
+
+    # ------------------------------------------------------------ admission
+    def find(self, request: Request, start_block: int, context_tokens: int) -> Found:
+        """The prefix after the GPU hits that the tiers hold, and how much of it is worth loading."""
+        last = (request.num_tokens - 1) // self.block_size  # the last token is always computed
+        keys = list(request.block_hashes[start_block:last])
+        found = tuple(self.chain.lookup(keys).tiers) if keys else ()
+        n = len(found)
+        for i, tier in enumerate(found):
+            if tier and self.store.contains(keys[i]):  # pending on the CPU tier: its bytes are still arriving
+                n = i
+                break
+        if not n:
+            return Found(request, [], [], found, None)
+        media = [self.media[t] for t in found[:n]]
+        links = [self.links[m] if t else None for m, t in zip(media, found[:n], strict=True)]
+        quote = price_load(self.cost_model, request.request_id, media, links, context_tokens, request.num_tokens)
+        k = quote.num_blocks
+        return Found(request, keys[:k], list(found[:k]), found, quote)
+
+    def reserve(self, found: Found) -> Reserved:
+        """Pin the CPU-tier blocks of the load and reserve a staging move per run below; count the lookup.
+
+        Call it once admission is sure to fit on the GPU: the pins and moves
+        are taken now.  The load may come out shorter than ``found.keys``.
+        """
+        keys, tiers = found.keys, found.tiers
+        on_cpu = [k for k, t in zip(keys, tiers, strict=True) if t == 0]
+        if on_cpu:
+            self.store.prepare_load(on_cpu)  # before any staging, which could otherwise evict them
+        moves: list[tuple[int, TierMove]] = []
+        n, i = len(keys), 0
+        while i < n:
+            j = i
+            while j < n and tiers[j] == tiers[i]:
+                j += 1
+            if tiers[i]:
+                move = self.chain.stage(keys[i:j], tiers[i])
+                if move is None:  # the CPU tier has no room for them: load what comes before
+                    n = j = i
+                    break
+                assert list(move.keys) == keys[i:j], "a staged block was already on the CPU tier"
+                moves.append((i, move))
+            i = j
+        beyond = [k for k, t in zip(keys[n:], tiers[n:], strict=True) if t == 0]
+        if beyond:
+            self.store.complete_load(beyond)
+        out = Reserved(found, keys[:n], [k for k, t in zip(keys[:n], tiers[:n], strict=True) if t == 0], moves)
+        self._count_admission(out)
+        return out
+
+    def _count_admission(self, r: Reserved) -> None:
+        f = r.found
+        for pos, tier in enumerate(f.found):
+            if tier:
+                c = self.counters[self.media[tier]]
+                c.hit_blocks += 1
+                c.declined_blocks += pos >= len(r.keys)
+        if f.quote is not None and (f.quote.num_declined or any(f.found)):
+            reason = f.quote.reason
+            if len(r.keys) < len(f.keys):
+                reason += f"; only {len(r.keys)} set to load: the CPU tier had no room to stage the rest"
+            self.decisions.append(LoadDecision(f.request.request_id, f.quote, len(r.keys), reason))
+
+    def start(self, r: Reserved, dst: list[KVCacheBlock], context_tokens: int) -> tuple[Transfer, bool]:
+        """Start a reserved load into ``dst``: its first copy, and whether that one stages (not the GPU copy)."""
+        req = r.found.request
+        job = Job(req, r.keys, dst, context_tokens, len(r.keys), len(r.moves), list(r.pinned))
+        if not r.moves:
+            t = self._copy_to_gpu(job)
+            assert t is not None, "a load of blocks all on the CPU tier copies them"
+            return t, False
+        self._jobs[req.request_id] = job
+        first = [self._submit(Hop(m, job, offset=pos), PlanKind.ONBOARD, req.request_id, True) for pos, m in r.moves]
+        return first[0], True
+
+    def _submit(self, hop: Hop, kind: PlanKind, request_id: Hashable | None, urgent: bool) -> Transfer:
+        move = hop.move
+        medium = self.media[max(move.src, move.dst)]  # every move is between the CPU tier and one medium
+        src, dst = move.src_spec, move.dst_spec
+        plan = self.transfers.plan(src.medium, dst.medium, src.block_ids, dst.block_ids, kind, request_id, urgent)
+        return self.transfers.start(plan, payload=hop, engine=self.engines[medium])
+
+    # ------------------------------------------------------------ settling
+    @staticmethod
+    def owns(t: Transfer) -> bool:
+        """Whether a copy in flight is a move of the chain."""
+        return isinstance(t.payload, Hop)
+
+    def settle(self, t: Transfer) -> tuple[Hashable, Transfer | None] | None:
+        """Finish a move of the chain.
+
+        Returns:
+            ``(request id, its GPU copy or None)`` when this was the last staging
+            move of a request's load (``None``: nothing landed, nothing to copy);
+            else ``None``.
+        """
+        hop: Hop = t.payload  # type: ignore[assignment]
+        landed = self.chain.finish_handle(hop.move, t.handle)
+        self._count_move(hop.move, landed)
+        job = hop.job
+        if not isinstance(job, Job):
+            self.demoter.settled(hop, landed)
+            return None
+        if landed:
+            self.store.prepare_load(landed)  # held until the GPU copy pins them itself
+            job.pinned.extend(landed)
+        ok = set(landed)
+        failed = next((i for i, k in enumerate(hop.move.keys) if k not in ok), None)
+        if failed is not None:
+            job.good = min(job.good, hop.offset + failed)
+        job.waiting -= 1
+        if job.waiting:
+            return None
+        del self._jobs[job.request.request_id]
+        return job.request.request_id, self._copy_to_gpu(job)
+
+    def _copy_to_gpu(self, job: Job) -> Transfer | None:
+        keys = job.keys[: job.good]
+        t = None
+        if keys:
+            upto = job.context_tokens + len(keys) * self.block_size
+            t = self.offloader.start_load(job.request, keys, job.dst[: len(keys)], upto)
+        if job.pinned:
+            self.store.complete_load(job.pinned)  # the GPU copy pins what it reads; the rest stays cached
+        return t
+
+    def _count_move(self, move: TierMove, landed: list[Key]) -> None:
+        failed = len(move.keys) - len(landed)
+        if move.dst == 0:
+            c = self.counters[self.media[move.src]]
+            c.loaded_blocks += len(landed)
+            c.load_failed_blocks += failed
+        else:
+            c = self.counters[self.media[move.dst]]
+            c.stored_blocks += len(landed)
+            c.store_failed_blocks += failed
+
+    # ------------------------------------------------------------ every poll
+    def tick(self) -> None:
+        """Count what the CPU tier lost, then start the demotions that are due."""
+        stored: list[Key] = []
+        evicted: list[Key] = []
+        for ev in self.store.take_events():
+            if ev.removed:
+                evicted.extend(k for k in ev.keys if k.__class__ is not PrivateKey)
+            else:
+                stored.extend(ev.keys)
+        if evicted:
+            self.lost_blocks += len(self.chain.only_copies(0, evicted))
+        self.demoter.tick(stored)
+
+    # ------------------------------------------------------------ audit
+    def cpu_pins(self) -> dict[Key, int]:
+        """Pins this layer holds on the CPU store, per key (loads being staged, moves out of the CPU tier)."""
+        pins: dict[Key, int] = {}
+        for job in self._jobs.values():
+            for k in job.pinned:
+                pins[k] = pins.get(k, 0) + 1
+        for t in self.transfers:
+            if isinstance(t.payload, Hop) and t.payload.move.src == 0:
+                for k in t.payload.move.keys:
+                    pins[k] = pins.get(k, 0) + 1
+        return pins
+
+    def check_invariants(self) -> None:
+        """The chain's invariants, and every staged load's moves and pins."""
+        self.chain.check_invariants()
+        hops = [t.payload for t in self.transfers if isinstance(t.payload, Hop)]
+        for rid, job in self._jobs.items():
+            assert job.waiting == sum(1 for h in hops if h.job is job), f"request {rid!r}: staging moves lost"
+            assert all(self.store.is_ready(k) for k in job.pinned), f"request {rid!r}: a pinned block is not ready"
+            assert len(job.dst) == len(job.keys) and job.good <= len(job.keys), f"request {rid!r}: load out of shape"
