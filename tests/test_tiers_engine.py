@@ -20,7 +20,7 @@ import pytest
 from test_engine_exact import LAYOUTS, MAX_TOKENS, check
 from tierutil import NS, RedisServer, host, need_redis_server
 
-from tiered_kv.core.hashing import BlockHasher
+from tiered_kv.core import BlockHasher
 from tiered_kv.core.request import Request
 from tiered_kv.engine.engine import Engine
 from tiered_kv.errors import InvalidArgumentError, StorageError

@@ -158,9 +158,9 @@ class CPUStore(BlockStore):
         checks.count("n", n)
         out: list[Key] = []
         if n:
-            entries = self._entries
+            evictable = self._evictable
             for key in self._policy.order():
-                if entries[key].ref_cnt == 0:
+                if evictable(key):
                     out.append(key)
                     if len(out) == n:
                         break
@@ -168,8 +168,8 @@ class CPUStore(BlockStore):
 
     def num_loads(self, key: Key) -> int:
         """Loads in flight that read ``key`` (its pins); 0 when it is absent or pending."""
-        entry = self._entries.get(check_key("key", key))
-        return entry.ref_cnt if entry is not None and entry.ref_cnt > 0 else 0
+        check_key("key", key)
+        return self._pin_count(key)
 
     def room_for(self, keys: Sequence[Key]) -> int:
         """How many absent keys a ``prepare_store`` that protects all of ``keys`` could take now.
