@@ -38,7 +38,7 @@ from tiered_kv.sim.tier_config import SimTier, TierSetup
 from tiered_kv.tiers.chain import TierChain, TierPolicy
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
-from tiered_kv.transfer.plan import TransferPlan, TransferStatus
+from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
 
 EVENT = "tier_io"
 """The kind of the event loop's events that finish a tier's plan (the simulator hands them to :func:`on_event`)."""
@@ -151,7 +151,7 @@ class SimTierIO:
             keys.append(key)
         return keys
 
-    def cancel(self, handle: BlockIOHandle) -> bool:
+    def cancel(self, handle: TransferHandle) -> bool:
         """A simulated transfer, once queued, runs to its end (the manager never cancels a move of the chain)."""
         return False
 
