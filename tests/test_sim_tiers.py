@@ -209,3 +209,17 @@ def test_a_bad_tier_in_a_run_is_refused_naming_its_key(tmp_path, tiers, run, mes
     with pytest.raises(ConfigError, match=message):
         validate_config(raw)
     assert json.dumps(raw, sort_keys=True) == before
+
+
+def test_the_timeline_has_a_track_per_tier_and_direction(tmp_path):
+    from tiered_kv.sim.timeline import chrome_trace
+
+    cfg = validate_config(tiny(tmp_path, [WITH_DISK]))
+    _, sim = simulate(cfg, 0)
+    events = chrome_trace(sim, "cpu+disk")
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    tracks = {v: k for k, v in names.items()}
+    assert {"DISK load", "DISK store"} <= set(tracks)
+    loads = [e for e in events if e["ph"] == "X" and e["tid"] == tracks["DISK load"]]
+    assert [(e["ts"], e["dur"], e["args"]["blocks"]) for e in loads] == [(20e6, 3.75e6, 3)]
+    assert len([e for e in events if e["ph"] == "X" and e["tid"] == tracks["DISK store"]]) == 2
