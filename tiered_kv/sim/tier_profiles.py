@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 from tiered_kv.errors import ConfigError
@@ -88,4 +87,4 @@ def tier_media(section: Mapping[str, Any], key: str = "hardware.tiers") -> Mappi
             link = DEFAULT_TIER_LINKS[medium_of(name)]
             medium = TierMedium(link, link, "default")
         out[name] = medium
-    return MappingProxyType(out)
+    return out  # a plain dict: a profile travels to worker processes, and a mapping proxy does not pickle
