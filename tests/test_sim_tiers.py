@@ -58,7 +58,7 @@ WITH_DISK = {**CPU_ONLY, "name": "cpu+disk", "tiers": {"disk": {"capacity_blocks
 
 
 def simulate(cfg: dict[str, Any], index: int) -> tuple[dict[str, Any], Simulator]:
-    sim = Simulator(setup(cfg, index), generate(cfg["workload"], cfg["seed"]), keep_timeline=True)
+    sim = Simulator(setup(cfg, index), generate(cfg["workload"], cfg["seed"]), record_trace=True, keep_timeline=True)
     return sim.run(), sim
 
 
@@ -87,6 +87,18 @@ def test_a_prefix_evicted_to_disk_is_staged_through_the_cpu_then_copied_to_the_g
     assert (tiers["hit_blocks"], tiers["loaded_blocks"], tiers["stored_blocks"]) == (3, 3, 6)
     assert tiers["load_busy_s"] == pytest.approx(3.75) and tiers["store_busy_s"] == pytest.approx(7.5)
     assert res["chain_lost_blocks"] == 0 and res["tiers"] == f"DISK {16 * BLOCK / 2**30:.4g} GiB"
+    # The whole event trace from the third request's arrival: staged, copied to the GPU, one step.
+    plan = load.handle.plan.plan_id
+    assert [e for e in sim.loop.trace if e[0] >= 20.0] == [
+        (20.0, "arrival", 2),
+        (20.0, "tier_io_start", (plan, "DISK", "load", 3, 23.75)),
+        (20.0, "admit", 2),
+        (23.75, "tier_io_done", plan),
+        (23.75, "transfer_start", (plan + 1, "onboard", "H2D", 3, 23.753)),
+        (23.753, "transfer_done", plan + 1),
+        (23.753, "step", ((2, 1),)),
+        (24.753, "finish", 2),
+    ]
 
 
 def test_without_the_disk_the_same_prefix_is_recomputed(tmp_path):

@@ -135,6 +135,7 @@ class SimTierIO:
         job = TierIOJob(self, handle, op, now, start, end)
         self.jobs.append(job)
         self.loop.schedule(end, EVENT, job)
+        self.loop.log("tier_io_start", (plan.plan_id, medium, op, len(keys), round(end, 9)))
         return handle
 
     def _resolve(self, plan: TransferPlan, op: str, slots: tuple[int, ...]) -> list[Key]:
@@ -160,6 +161,7 @@ class SimTierIO:
         job.handle.outcomes = [BlockOutcome.OK] * len(job.handle.keys)
         job.handle._finish(TransferStatus.DONE)
         job.handle.elapsed_s = self.loop.now - job.submitted  # simulated, not wall time
+        self.loop.log("tier_io_done", job.handle.plan.plan_id)
 
 
 def on_event(job: TierIOJob) -> None:
