@@ -120,6 +120,7 @@ def test_a_remote_tier_alone_is_a_suffix_of_the_chain_and_uses_the_default_link(
     assert (tier.medium, tier.link.source) == ("REMOTE", "default")  # the profile describes only its disk
     res, sim = simulate(cfg, 0)
     assert set(sim.tier_engines) == {"REMOTE"}
+    assert res["tiers"] == f"REMOTE {16 * BLOCK / 2**30:.4g} GiB (default link)"
     assert res["lower_tiers"]["remote"]["hit_blocks"] == 3
     (load,) = [j for j in sim.tier_engines["REMOTE"].jobs if j.op == "load"]
     link = tier.link.read

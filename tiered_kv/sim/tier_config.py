@@ -74,8 +74,14 @@ class TierSetup:
         return {t.medium: t.link.read for t in self.tiers}
 
     def describe(self) -> str:
-        """``DISK 512 GiB + REMOTE 4096 GiB`` (``""`` without tiers)."""
-        return " + ".join(f"{t.medium} {t.capacity_gib:.4g} GiB" for t in self.tiers)
+        """``DISK 512 GiB + REMOTE 4096 GiB (default link)`` (``""`` without tiers).
+
+        ``(default link)`` marks a medium the hardware profile does not describe.
+        """
+        return " + ".join(
+            f"{t.medium} {t.capacity_gib:.4g} GiB" + (" (default link)" if t.link.source == "default" else "")
+            for t in self.tiers
+        )
 
 
 NO_TIERS = TierSetup((), "none", 0)

@@ -11,8 +11,8 @@ the CPU tier (the staging area of every load and store below it)::
 ``bandwidth_gbps`` is GB/s (1e9 bytes/s, as ``link.h2d_gbps``): the sustained
 read bandwidth; ``write_gbps`` the write bandwidth (default: the read one);
 ``block_latency_us`` the fixed cost of one block (a file open, a server round
-trip), amortised over the I/O engine's parallel requests.  Both directions are
-:class:`~tiered_kv.manager.cost_model.TierLink`\\ s, the manager's own model of a
+trip), amortised over the I/O engine's parallel requests.  Each direction is a
+:class:`~tiered_kv.manager.cost_model.TierLink`, the manager's own model of a
 link below the CPU, so the simulator's copies and the manager's load prices are
 the same arithmetic.  A medium the profile leaves out gets the manager's
 defaults (:data:`~tiered_kv.manager.cost_model.DEFAULT_TIER_LINKS`, measured here).
