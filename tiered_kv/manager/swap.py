@@ -162,16 +162,10 @@ class Swapper:
         """Leading blocks of a swapped request still cached on the GPU (they need no copy)."""
         if not self.caching:
             return []
-        pool = self.gpu.block_pool
-        hits: list[KVCacheBlock] = []
-        for k in swapped.keys:
-            if k.__class__ is PrivateKey:
-                break
-            b = pool.get_cached_block(k)  # type: ignore[arg-type]
-            if b is None:
-                break
-            hits.append(b)
-        return hits
+        keys = swapped.keys
+        # Private keys (blocks no other request can share) are never cached on the GPU: probe up to the first.
+        n = next((i for i, k in enumerate(keys) if k.__class__ is PrivateKey), len(keys))
+        return self.gpu.block_pool.get_cached_prefix(keys, n)
 
     def start_in(
         self, request: Request, swapped: SwappedKV, num_layers: int = 0

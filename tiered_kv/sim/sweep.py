@@ -134,6 +134,41 @@ def _ray(cells: Sequence[Cell], address: str, prog: Progress, per_cell: int) -> 
         ray.shutdown()
 
 
+def _report(
+    rows: list[dict[str, Any]], rates: list[float], mems: list[float], emit: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Print one line per cell (throughput per run) and return whether cost-aware matched the best fixed mode."""
+    runs = list(dict.fromkeys(r["run"] for r in rows))
+    emit(
+        f"{'rate':>6} {'GPU KV GiB':>10} "
+        + " ".join(f"{n[:20]:>20}" for n in runs)
+        + "   cost-aware >= best fixed mode"
+    )
+    verdicts = []
+    for rate in rates:
+        for mem in mems:
+            cell = {r["run"]: r for r in rows if r["rate"] == rate and r["gpu_kv_gib"] == mem}
+            fixed = [r["throughput_rps"] for r in cell.values() if r["mode"] in ("swap", "recompute")]
+            smart = [r["throughput_rps"] for r in cell.values() if r["policy"] == "cost_aware" and r["mode"] == "auto"]
+            verdict = None
+            if fixed and smart:
+                verdict = min(smart) >= max(fixed)
+                verdicts.append(
+                    {
+                        "rate": rate,
+                        "gpu_kv_gib": mem,
+                        "cost_aware_at_least_best_fixed": verdict,
+                        "ratio_to_best_fixed": min(smart) / max(fixed),
+                    }
+                )
+            emit(
+                f"{rate:6g} {mem:10g} "
+                + " ".join(f"{cell[n]['throughput_rps']:20.2f}" for n in runs)
+                + ("" if verdict is None else f"   {'yes' if verdict else 'NO'} ({min(smart) / max(fixed):.3f}x)")
+            )
+    return verdicts
+
+
 def sweep(
     config: str | Path,
     json_path: Path | None = None,
@@ -170,34 +205,7 @@ def sweep(
             rows = _processes(cells, workers, prog, work.requests)
         else:
             rows = _serial(cells, prog, work.requests)
-    runs = list(dict.fromkeys(r["run"] for r in rows))
-    emit(
-        f"{'rate':>6} {'GPU KV GiB':>10} "
-        + " ".join(f"{n[:20]:>20}" for n in runs)
-        + "   cost-aware >= best fixed mode"
-    )
-    verdicts = []
-    for rate in rates:
-        for mem in mems:
-            cell = {r["run"]: r for r in rows if r["rate"] == rate and r["gpu_kv_gib"] == mem}
-            fixed = [r["throughput_rps"] for r in cell.values() if r["mode"] in ("swap", "recompute")]
-            smart = [r["throughput_rps"] for r in cell.values() if r["policy"] == "cost_aware" and r["mode"] == "auto"]
-            verdict = None
-            if fixed and smart:
-                verdict = min(smart) >= max(fixed)
-                verdicts.append(
-                    {
-                        "rate": rate,
-                        "gpu_kv_gib": mem,
-                        "cost_aware_at_least_best_fixed": verdict,
-                        "ratio_to_best_fixed": min(smart) / max(fixed),
-                    }
-                )
-            emit(
-                f"{rate:6g} {mem:10g} "
-                + " ".join(f"{cell[n]['throughput_rps']:20.2f}" for n in runs)
-                + ("" if verdict is None else f"   {'yes' if verdict else 'NO'} ({min(smart) / max(fixed):.3f}x)")
-            )
+    verdicts = _report(rows, rates, mems, emit)
     doc = {"name": name, "rows": rows, "verdicts": verdicts}
     if json_path is not None:
         write_json(json_path, doc)
