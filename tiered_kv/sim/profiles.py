@@ -12,7 +12,9 @@ shipped YAML:
   total when both directions run at once, and the fixed cost of one copy;
 * the step-time coefficients (:class:`StepProfile`): fitted to published
   serving measurements (the fit and its residuals sit beside them), and the
-  tensor-parallel all-reduce cost (:class:`AllReduceProfile`).
+  tensor-parallel all-reduce cost (:class:`AllReduceProfile`);
+* optionally, the media below the CPU tier (``tiers:``, see
+  :mod:`~tiered_kv.sim.tier_profiles`): each one's bandwidth and per-block latency.
 
 Older profiles that give only ``pcie_gbps_per_direction`` x ``pcie_efficiency``
 and ``per_copy_overhead_s`` still load: their link is full duplex at that
@@ -22,7 +24,8 @@ rate, with no cap on the sum.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +33,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.sim.files import read_yaml
 from tiered_kv.sim.schema import Field, fraction, integer, non_negative, num, positive, validate
 from tiered_kv.sim.shipped import shipped, shipped_names
+from tiered_kv.sim.tier_profiles import TIERS_SCHEMA, TierMedium, tier_media
 from tiered_kv.storage.spec import DTYPE_BYTES
 
 HARDWARE_SCHEMA = {
@@ -59,6 +63,8 @@ HARDWARE_SCHEMA = {
         "small_max_bytes": integer(1 << 20, positive),
         "busbw_gbps": num(370.0, positive),
     },
+    # Media below the CPU tier (tier_profiles.py); a medium left out gets the manager's measured defaults.
+    "tiers": TIERS_SCHEMA,
 }
 MODEL_SCHEMA = {
     "name": Field((str,), "custom"),
@@ -150,6 +156,7 @@ class HardwareProfile:
     link: LinkProfile
     step: StepProfile
     allreduce: AllReduceProfile
+    tiers: Mapping[str, TierMedium] = field(default_factory=dict)  # tier name -> its medium (tier_profiles)
 
     @property
     def pcie_bytes_per_s(self) -> float:
@@ -289,6 +296,7 @@ def load_hardware(ref: Any, key: str = "hardware") -> HardwareProfile:
         allreduce=AllReduceProfile(
             a["latency_us"] * 1e-6, a["small_gbps"] * GB, a["small_max_bytes"], a["busbw_gbps"] * GB
         ),
+        tiers=tier_media(d["tiers"], f"{key}.tiers"),
     )
 
 

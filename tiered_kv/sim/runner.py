@@ -29,6 +29,7 @@ from tiered_kv.sim.records import jsonl
 from tiered_kv.sim.report import demand_ratio, plot, regime_verdict, table, write_json
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.sweep import sweep
+from tiered_kv.sim.tier_report import has_tiers, tier_table
 from tiered_kv.sim.timeline import chrome_trace
 from tiered_kv.sim.workload import SimRequest, generate
 
@@ -216,6 +217,9 @@ def simulate(
             if expect is not None and expect != verdict["regime"]:
                 emit(f"  note: this regime was meant to be {expect!r}, but the measurements say {verdict['regime']!r}")
         emit(table(runs))
+        if has_tiers(runs):
+            emit("")
+            emit(tier_table(runs))
     doc = {
         "name": cfg0["name"],
         "hardware": where,

@@ -21,6 +21,7 @@ from tiered_kv.errors import TieredKVError
 from tiered_kv.manager.states import PreemptMode
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
+from tiered_kv.sim import tier_io
 from tiered_kv.sim.config import RunSetup
 from tiered_kv.sim.events import EventLoop
 from tiered_kv.sim.link import CopyGeometry, CopyJob, SimLink
@@ -132,6 +133,8 @@ class Simulator:
             offload=setup.offload,
             hash_fn=setup.hash_fn,
         )
+        #: The I/O engine of each tier below the CPU (medium -> engine), when the run has such tiers.
+        self.tier_engines = tier_io.attach(tm, self.loop, setup.tiers, geometry.bytes_per_block)
         self.records: dict[int, RequestRecord] = {}
         self.outputs = {r.rid: r.output for r in workload}
         self.steps: list[Step] | None = [] if keep_timeline else None
@@ -204,6 +207,8 @@ class Simulator:
                     job = link.on_event(payload)
                     if job is not None and tracing:
                         loop.log("transfer_done", job.plan.plan_id, t_event)
+                elif kind == tier_io.EVENT:
+                    tier_io.on_event(payload)
                 else:
                     r: SimRequest = payload
                     sched.add_request(Request(r.rid, r.prompt, max_tokens=len(r.output), arrival_time=r.arrival))
@@ -399,6 +404,8 @@ class Simulator:
                 "gpu": m.gpu_blocks - m.gpu_free_blocks,
                 "cpu": m.cpu_pinned_blocks,
             },
+            "tiers": st.tiers.describe(),
+            **tier_io.results(m, self.tier_engines),
             # [time, GPU usage, CPU usage (held), CPU prefix-cache fill]
             "usage": [[round(x, 6) for x in u] for u in usage[::stride]],
             "latency_samples": {"ttft_s": sorted(ttft), "e2e_s": sorted(e2e)},

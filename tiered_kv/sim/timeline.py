@@ -4,8 +4,9 @@ Open the file in ``chrome://tracing`` or https://ui.perfetto.dev.  Each run is
 a process with three tracks: the compute steps, and the copies in each
 direction, so a reader sees copies overlap compute (async), the compute
 stream wait for them (blocking: a ``waiting for copies`` slice before the
-step) or a step stretched by the swap-in it reads (layerwise).  Times are
-simulated microseconds.
+step) or a step stretched by the swap-in it reads (layerwise).  A run with
+tiers below the CPU adds a track per tier and direction (``DISK load``: into
+the CPU tier; ``DISK store``: out of it).  Times are simulated microseconds.
 """
 
 from __future__ import annotations
@@ -81,4 +82,26 @@ def chrome_trace(sim: Simulator, name: str, pid: int = 1) -> list[dict[str, Any]
                 },
             }
         )
+    tid = max(TRACKS.values()) + 1
+    for medium, engine in sim.tier_engines.items():
+        for op in ("load", "store"):
+            tid += 1
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": f"{medium} {op}"}}
+            )
+            for t in engine.jobs:
+                if t.op != op:
+                    continue
+                plan = t.handle.plan
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": f"{plan.kind.value} {plan.plan_id}",
+                        "pid": pid,
+                        "tid": tid,
+                        "ts": _us(t.start),
+                        "dur": _us(t.end - t.start),
+                        "args": {"blocks": plan.num_blocks, "bytes": t.handle.num_bytes},
+                    }
+                )
     return events

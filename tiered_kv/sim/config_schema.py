@@ -1,0 +1,172 @@
+"""The schema of a simulator config: its sections, the keys of a run and of a regime, and the default runs.
+
+:mod:`tiered_kv.sim.config` validates a config against these and resolves each
+run; a run's tiers below the CPU have their own schema in
+:mod:`tiered_kv.sim.tier_config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiered_kv.manager.policies import POLICIES
+from tiered_kv.sim.link import LAYOUTS, MODES
+from tiered_kv.sim.schema import (
+    REQUIRED,
+    Field,
+    choice,
+    fraction,
+    integer,
+    non_negative,
+    num,
+    positive,
+    power_of_two,
+    probability,
+)
+from tiered_kv.sim.tier_config import RUN_TIERS_SCHEMA
+
+
+def _length(default_dist: str, value: int) -> dict[str, Any]:
+    return {
+        "dist": choice(default_dist, "fixed", "uniform", "lognormal"),
+        "value": integer(value, positive),
+        "low": integer(1, positive),
+        "high": integer(max(value, 1), positive),
+        "mean": num(float(value), positive),
+        "sigma": num(0.5, positive),
+        "min": integer(1, positive),
+        "max": integer(1 << 20, positive),
+    }
+
+
+RUN_SCHEMA = {
+    "name": Field((str,)),
+    "note": Field((str,), ""),
+    "vs": Field((str,), None, nullable=True),
+    "policy": choice("lru", *sorted(POLICIES)),
+    "mode": choice("auto", "swap", "recompute", "auto"),
+    "offload": choice("none", "none", "write_through", "on_evict"),
+    "cpu_kv_gib": num(None, non_negative, nullable=True),
+    "gpu_kv_gib": num(None, positive, nullable=True),
+    "copies": choice("async", *MODES),
+    "kv_layout": choice("block_contiguous", *LAYOUTS),
+    "coalesce": Field((bool,), True),
+    # Tiers below the CPU (disk, remote): none unless the run names one.
+    "tiers": RUN_TIERS_SCHEMA,
+}
+REGIME_SCHEMA = {
+    "name": Field((str,)),
+    "rate": num(REQUIRED, positive),
+    "num_requests": Field((int,), None, None, (positive,), nullable=True),
+    # what the regime is meant to show; the report checks it against the measurements
+    "expect": Field((str,), None, ("below", "over"), nullable=True),
+}
+
+SCHEMA: dict[str, Any] = {
+    "name": Field((str,), "experiment"),
+    "seed": integer(0, non_negative),
+    "hardware": Field((str, dict), "h200"),
+    "model": Field((str, dict), "llama3-8b"),
+    "hash": choice("fast", "fast", "sha256"),
+    "memory": {
+        "block_size": integer(16, power_of_two),
+        "gpu_memory_utilization": num(0.9, fraction),
+        "gpu_kv_gib": num(None, positive, nullable=True),
+        "cpu_kv_gib": num(64.0, non_negative),
+        "host_memory_gib": num(1024.0, positive),
+        "activation_reserve_gib": num(2.0, non_negative),
+        "gpu_blocks": Field((int,), None, None, (positive,), nullable=True),
+        "cpu_blocks": Field((int,), None, None, (non_negative,), nullable=True),
+    },
+    "scheduler": {
+        # None: vLLM v1's defaults for the hardware (HardwareProfile.vllm_default_limits).
+        "max_num_batched_tokens": Field((int,), None, None, (positive,), nullable=True),
+        "max_num_seqs": Field((int,), None, None, (positive,), nullable=True),
+        "chunked_prefill": Field((bool,), True),
+    },
+    # Overrides of the hardware profile's fitted step model (None: the profile's).
+    "compute": {
+        "mfu": num(None, fraction, nullable=True),
+        "hbm_efficiency": num(None, fraction, nullable=True),
+        "step_overhead_s": num(None, non_negative, nullable=True),
+        "per_seq_s": num(None, non_negative, nullable=True),
+        "fixed_step_s": num(None, positive, nullable=True),
+    },
+    # Overrides of the hardware profile's link (None: the profile's).
+    "link": {
+        "gbps_per_direction": num(None, non_negative, nullable=True, allow_inf=True),
+        "bidir_gbps": num(None, non_negative, nullable=True, allow_inf=True),
+        "per_copy_overhead_s": num(None, non_negative, nullable=True),
+    },
+    "workload": {
+        "num_requests": integer(1000, positive),
+        "arrival": {
+            "process": choice("poisson", "poisson", "bursty", "fixed"),
+            "rate": num(10.0, positive),
+            "burst_size": integer(8, positive),
+        },
+        "prompt_len": _length("uniform", 512),
+        "output_len": _length("uniform", 256),
+        "system_prompts": {
+            "count": integer(0, non_negative),
+            "length": integer(256, positive),
+            "zipf": num(1.1, positive),
+            "share": num(0.5, probability),
+        },
+        "multi_turn": {"prob": num(0.0, probability), "max_turns": integer(4, positive)},
+        "trace": Field((str,), None, nullable=True),
+    },
+    "runs": Field((list,), None, nullable=True),
+    "regimes": Field((list,), None, nullable=True),
+    "sweep": {
+        "gpu_kv_gib": Field((list,), None, nullable=True),
+        "rate": Field((list,), None, nullable=True),
+    },
+}
+
+# The runs of an experiment that names none: each effect on its own, each compared with the run it adds to.
+DEFAULT_RUNS = [
+    {
+        "name": "recompute-only",
+        "note": "vLLM v1",
+        "policy": "lru",
+        "mode": "recompute",
+        "offload": "none",
+        "cpu_kv_gib": 0,
+    },
+    {
+        "name": "recompute+cpu-tier",
+        "note": "vLLM v1 + CPU offloading connector",
+        "vs": "recompute-only",
+        "policy": "lru",
+        "mode": "recompute",
+        "offload": "write_through",
+    },
+    {
+        "name": "always-swap",
+        "note": "vLLM v0, blocking swaps",
+        "vs": "recompute-only",
+        "policy": "lru",
+        "mode": "swap",
+        "offload": "none",
+        "copies": "blocking",
+        "kv_layout": "layer_first",
+        "coalesce": False,
+    },
+    {
+        "name": "cost-aware",
+        "note": "swap or recompute per victim, no CPU tier",
+        "vs": "recompute-only",
+        "policy": "cost_aware",
+        "mode": "auto",
+        "offload": "none",
+    },
+    {
+        "name": "cost-aware+cpu-tier",
+        "note": "swap or recompute per victim + CPU prefix tier",
+        "vs": "recompute+cpu-tier",
+        "policy": "cost_aware",
+        "mode": "auto",
+        "offload": "write_through",
+    },
+]
