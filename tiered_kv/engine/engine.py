@@ -61,10 +61,10 @@ def _check_extras(
     redis_url: str | None,
     tier_links: Mapping[str, TierLink] | None,
 ) -> list[str]:
-    """Check the options of the extras before anything is allocated; return the media of the tiers below the CPU.
+    """Check the options of the extras; return the media of the tiers below the CPU.
 
-    A bad port, a missing extra or a missing link for a lower tier fails here, so
-    a failed construction leaves no tensors, threads or files behind.
+    A bad port, a missing extra or a bad link for a lower tier fails here,
+    before anything is allocated.
     """
     if metrics_port is not None:
         from tiered_kv.obs.prometheus import check_port
@@ -193,8 +193,7 @@ class Engine:
     ) -> TierManager:
         """The tier manager over the two tiers and the copy engine (``options``: its CPU prefix-tier keywords).
 
-        Without a cost model it prices with nominal 10 GB/s links both ways and
-        20k prefill tokens/s, so the cost-aware policy still has numbers to compare.
+        Without ``cost_model``, nominal prices: 10 GB/s each way and 20k prefill tokens/s.
         """
         spec = self.tiers["GPU"].spec
         cm = cost_model or CostModel(
@@ -286,8 +285,7 @@ class Engine:
     def _compute(self, out: SchedulerOutput) -> tuple[dict[Hashable, Any], float, int]:
         """Run the model over every scheduled chunk; return the sampled tokens, attention units and KV tokens.
 
-        Sampled tokens are ints, or device scalars until the step's one sync:
-        argmax stays on the device so that the host goes on issuing work.
+        Sampled tokens are ints, or device scalars until the step's one sync (in :meth:`step`).
         """
         sched = self.scheduler
         sampled: dict[Hashable, Any] = {}
@@ -310,6 +308,7 @@ class Engine:
                 continue  # its load failed: update() discards its step
             if c + n == req.num_tokens:
                 forced = self.forced.get(rid)
+                # Argmax stays on the device until the step's one sync.
                 sampled[rid] = forced[req.num_output_tokens] if forced else logits[-1].argmax()
                 if self.record_logits:
                     self.logits.setdefault(rid, []).append(logits[-1].clone())

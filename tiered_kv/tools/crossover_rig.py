@@ -12,7 +12,7 @@ from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tools.crossover_timing import spread
 from tiered_kv.transfer.factory import make_copy_engine
-from tiered_kv.transfer.plan import PlanKind, TransferPlan
+from tiered_kv.transfer.plan import PlanKind, TransferHandle, TransferPlan
 
 
 def _sync(device: str) -> None:
@@ -49,13 +49,15 @@ class SwapRig:
         self.next_plan_id = 0
         self.scratch = list(range(2 * max_blocks + 1, 2 * max_blocks + 1 + scratch_blocks))
 
-    def submit(self, src_m: str, dst_m: str, src: list[int], dst: list[int]):
+    def submit(self, src_m: str, dst_m: str, src: list[int], dst: list[int]) -> TransferHandle:
+        """Hand one copy to the engine (a swap-in is urgent) and return its handle."""
         self.next_plan_id += 1
         kind = PlanKind.SWAP_OUT if dst_m == "CPU" else PlanKind.SWAP_IN
         plan = TransferPlan(self.next_plan_id, src_m, dst_m, tuple(src), tuple(dst), kind, urgent=dst_m == "GPU")
         return self.copy.submit(plan)
 
     def transfer(self, src_m: str, dst_m: str, src: list[int], dst: list[int]) -> float:
+        """Seconds from submitting one copy, nothing else queued, until it has landed."""
         _sync(self.device)
         t0 = time.perf_counter()
         h = self.submit(src_m, dst_m, src, dst)
@@ -79,6 +81,7 @@ class SwapRig:
         return max(h.elapsed_s for h in handles)
 
     def prefill(self, tokens: list[int], table: list[int]) -> float:
+        """Seconds of a prefill of ``tokens`` into the blocks of ``table``: the recompute."""
         _sync(self.device)
         t0 = time.perf_counter()
         self.model.forward_chunk(tokens, 0, table, self.tiers["GPU"])
@@ -86,6 +89,7 @@ class SwapRig:
         return time.perf_counter() - t0
 
     def point(self, fn: Callable[[], float]) -> dict[str, Any]:
+        """The spread of ``repeats`` timed calls of ``fn``, after one untimed."""
         fn()  # untimed: the first call pays for set-up, not for the work
         return spread([fn() for _ in range(self.repeats)])
 
