@@ -26,7 +26,7 @@ from tiered_kv.manager.chain_api import check_links
 from tiered_kv.manager.cost_model import CostModel, TierLink
 from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.tier_manager import TierManager
-from tiered_kv.sched import Scheduler, SchedulerConfig
+from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tiers.namespace import KVNamespace
 from tiered_kv.tiers.stack import TierStack
@@ -53,6 +53,27 @@ class EngineStats:
     layer_wait_s: float = 0.0  # host time spent waiting for layers of layer-wise loads (CPU engines)
     # (tokens, attention units, KV tokens, requests, step seconds, of which model compute) per computing step
     step_log: list[tuple[int, float, float, int, float, float]] = field(default_factory=list)
+
+
+def _check_extras(
+    metrics_port: int | None,
+    disk_dir: str | os.PathLike[str] | None,
+    redis_url: str | None,
+    tier_links: Mapping[str, TierLink] | None,
+) -> list[str]:
+    """Check the options of the extras; return the media of the tiers below the CPU.
+
+    A bad port, a missing extra or a bad link for a lower tier fails here,
+    before anything is allocated.
+    """
+    if metrics_port is not None:
+        from tiered_kv.obs.prometheus import check_port
+
+        check_port(metrics_port)
+    lower = [m for m, on in (("DISK", disk_dir is not None), ("REMOTE", redis_url is not None)) if on]
+    if lower:
+        check_links(tier_links, lower)
+    return lower
 
 
 class Engine:
@@ -116,46 +137,21 @@ class Engine:
         demote: str = "write_back",
         tier_links: Mapping[str, TierLink] | None = None,
     ) -> None:
-        if metrics_port is not None:  # a bad port or a missing extra fails before anything is allocated
-            from tiered_kv.obs.prometheus import check_port
-
-            check_port(metrics_port)
-        lower = [m for m, on in (("DISK", disk_dir is not None), ("REMOTE", redis_url is not None)) if on]
-        if lower:
-            check_links(tier_links, lower)
+        lower = _check_extras(metrics_port, disk_dir, redis_url, tier_links)
         self.config = model_config or ModelConfig()
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = device
+        self.device = device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         spec = self.config.kv_spec(block_size)
         self.tiers = {
             "GPU": KVStorage(spec, num_gpu_blocks, "GPU", layout, device=device),
             "CPU": KVStorage(spec, max(num_cpu_blocks, 2), "CPU", layout),
         }
         self.copy = (copy_engine or make_copy_engine)(self.tiers)
-        cm = cost_model or CostModel(
-            kv_bytes_per_token=spec.bytes_per_token,
-            block_size=block_size,
-            d2h_bytes_per_s=10e9,
-            h2d_bytes_per_s=10e9,
-            prefill_tokens_per_s=20_000.0,
+        manager_options = {"offload": offload, "hash_fn": hash_fn, "evict_window": evict_window}
+        tm = self._make_manager(num_gpu_blocks, num_cpu_blocks, block_size, cost_model, manager_options)
+        sched_config = SchedulerConfig(
+            max_num_batched_tokens, max_num_seqs, chunked_prefill, policy=policy, mode=mode, layerwise=layerwise
         )
-        tm = TierManager(
-            num_gpu_blocks,
-            num_cpu_blocks,
-            block_size,
-            self.copy,
-            kv_spec=spec,
-            cost_model=cm,
-            offload=offload,
-            hash_fn=hash_fn,
-            evict_window=evict_window,
-        )
-        self.scheduler = Scheduler(
-            tm,
-            SchedulerConfig(
-                max_num_batched_tokens, max_num_seqs, chunked_prefill, policy=policy, mode=mode, layerwise=layerwise
-            ),
-        )
+        self.scheduler = Scheduler(tm, sched_config)
         self.model = TinyLlama(self.config, device)
         self.outputs: dict[Hashable, list[int]] = {}
         self.logits: dict[Hashable, list[torch.Tensor]] = {}
@@ -165,16 +161,51 @@ class Engine:
         self.stats = EngineStats()
         self.metrics_server: MetricsServer | None = None
         self.tier_stack: TierStack | None = None  # the tiers below the CPU, when there are any
+        lower_options = {"disk_dir": disk_dir, "disk_bytes": disk_bytes, "redis": redis_url}
+        lower_options.update(remote_ttl_s=remote_ttl_s, demote=demote)
+        self._start_extras(tm, hash_fn, tier_links, lower_options if lower else None, metrics_port)
+
+    def _start_extras(
+        self,
+        tm: TierManager,
+        hash_fn: str,
+        links: Mapping[str, TierLink] | None,
+        lower_options: dict[str, Any] | None,
+        metrics_port: int | None,
+    ) -> None:
+        """Attach the tiers below the CPU (when ``lower_options``) and serve metrics; on failure close everything."""
         try:
-            if lower:
-                options = {"disk_dir": disk_dir, "disk_bytes": disk_bytes, "redis": redis_url}
-                options.update(remote_ttl_s=remote_ttl_s, demote=demote)
-                self.tier_stack = self._attach_tiers(tm, hash_fn, tier_links, options)
+            if lower_options is not None:
+                self.tier_stack = self._attach_tiers(tm, hash_fn, links, lower_options)
             if metrics_port is not None:
                 self.serve_metrics(metrics_port)
         except BaseException:
             self.close()
             raise
+
+    def _make_manager(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        cost_model: CostModel | None,
+        options: dict[str, Any],
+    ) -> TierManager:
+        """The tier manager over the two tiers and the copy engine (``options``: its CPU prefix-tier keywords).
+
+        Without ``cost_model``, nominal prices: 10 GB/s each way and 20k prefill tokens/s.
+        """
+        spec = self.tiers["GPU"].spec
+        cm = cost_model or CostModel(
+            kv_bytes_per_token=spec.bytes_per_token,
+            block_size=block_size,
+            d2h_bytes_per_s=10e9,
+            h2d_bytes_per_s=10e9,
+            prefill_tokens_per_s=20_000.0,
+        )
+        return TierManager(
+            num_gpu_blocks, num_cpu_blocks, block_size, self.copy, kv_spec=spec, cost_model=cm, **options
+        )
 
     def _attach_tiers(
         self, tm: TierManager, hash_fn: str, links: Mapping[str, TierLink] | None, options: dict[str, Any]
@@ -215,34 +246,57 @@ class Engine:
         t_step = time.perf_counter()
         out = sched.schedule()
         if not out.scheduled:
-            if sched.copies_in_flight():
-                t0 = time.perf_counter()
-                sched.wait_for_copies(5.0)
-                self.stats.wait_s += time.perf_counter() - t0
-                self._publish_metrics()
-                return True
-            if sched.num_unfinished:
-                raise EngineStalledError(
-                    f"engine stalled: {sched.num_unfinished} requests unfinished ({len(sched.waiting)} waiting, "
-                    f"{len(sched.running)} running, {len(sched.swapped)} swapped), nothing schedulable and no "
-                    "copy in flight; the GPU pool may be too small for the longest request"
-                )
-            self._publish_metrics()
-            return False
-        sampled: dict[Hashable, Any] = {}  # ints, or device scalars until the sync
-        kv = self.tiers["GPU"]
+            return self._idle_step()
         t0 = time.perf_counter()
+        sampled, attn, ctx = self._compute(out)
+        if self.device.startswith("cuda"):
+            torch.cuda.current_stream().synchronize()  # engine step boundary (host needs the tokens)
+        tokens = {rid: int(t) for rid, t in sampled.items()}
+        compute = time.perf_counter() - t0
+        self.stats.compute_s += compute
+        self.stats.steps += 1
+        for req in sched.update(out, tokens):
+            self._finished(req)
+        dt = time.perf_counter() - t_step  # the whole step: scheduling, manager, model, bookkeeping
+        self.stats.step_log.append((out.num_tokens, attn, ctx, len(out.scheduled), dt, compute))
+        if out.recomputed_tokens:
+            self.stats.recompute_s += dt * out.recomputed_tokens / out.num_tokens
+        self._publish_metrics()
+        return True
+
+    def _idle_step(self) -> bool:
+        """A step with nothing scheduled: wait for a copy in flight, or end, or raise when nothing can ever run."""
+        sched = self.scheduler
+        if sched.copies_in_flight():
+            t0 = time.perf_counter()
+            sched.wait_for_copies(5.0)
+            self.stats.wait_s += time.perf_counter() - t0
+            self._publish_metrics()
+            return True
+        if sched.num_unfinished:
+            raise EngineStalledError(
+                f"engine stalled: {sched.num_unfinished} requests unfinished ({len(sched.waiting)} waiting, "
+                f"{len(sched.running)} running, {len(sched.swapped)} swapped), nothing schedulable and no "
+                "copy in flight; the GPU pool may be too small for the longest request"
+            )
+        self._publish_metrics()
+        return False
+
+    def _compute(self, out: SchedulerOutput) -> tuple[dict[Hashable, Any], float, int]:
+        """Run the model over every scheduled chunk; return the sampled tokens, attention units and KV tokens.
+
+        Sampled tokens are ints, or device scalars until the step's one sync (in :meth:`step`).
+        """
+        sched = self.scheduler
+        sampled: dict[Hashable, Any] = {}
+        kv = self.tiers["GPU"]
         attn = 0.0
         ctx = 0
         for req, n in out.scheduled:
             rid = req.request_id
             c = req.num_computed_tokens
             table = sched.gpu_block_ids(rid)
-            hist = self.tables.setdefault(rid, [])
-            if not hist or hist[-1] != table[: len(hist[-1])]:
-                hist.append(list(table))
-            else:
-                hist[-1] = list(table)
+            self._record_table(rid, table)
             load = out.loads.get(rid)
             wait = None if load is None else (lambda i, h=load: self._wait_layer(h, i))
             save = out.saves.get(rid)
@@ -254,26 +308,21 @@ class Engine:
                 continue  # its load failed: update() discards its step
             if c + n == req.num_tokens:
                 forced = self.forced.get(rid)
-                # Argmax stays on the device until the step's one sync below.
+                # Argmax stays on the device until the step's one sync.
                 sampled[rid] = forced[req.num_output_tokens] if forced else logits[-1].argmax()
                 if self.record_logits:
                     self.logits.setdefault(rid, []).append(logits[-1].clone())
             attn += (c + n) * (c + n) - c * c
             ctx += c + n
-        if self.device.startswith("cuda"):
-            torch.cuda.current_stream().synchronize()  # engine step boundary (host needs the tokens)
-        sampled = {rid: int(t) for rid, t in sampled.items()}
-        compute = time.perf_counter() - t0
-        self.stats.compute_s += compute
-        self.stats.steps += 1
-        for req in sched.update(out, sampled):
-            self._finished(req)
-        dt = time.perf_counter() - t_step  # the whole step: scheduling, manager, model, bookkeeping
-        self.stats.step_log.append((out.num_tokens, attn, ctx, len(out.scheduled), dt, compute))
-        if out.recomputed_tokens:
-            self.stats.recompute_s += dt * out.recomputed_tokens / out.num_tokens
-        self._publish_metrics()
-        return True
+        return sampled, attn, ctx
+
+    def _record_table(self, rid: Hashable, table: list[int]) -> None:
+        """Keep ``table`` in the request's history: a new entry when it is not an extension of the last one."""
+        hist = self.tables.setdefault(rid, [])
+        if not hist or hist[-1] != table[: len(hist[-1])]:
+            hist.append(list(table))
+        else:
+            hist[-1] = list(table)
 
     def _wait_layer(self, handle: TransferHandle, layer: int) -> bool:
         """Before layer ``layer`` of a request whose KV is landing: order compute after that layer's copy."""

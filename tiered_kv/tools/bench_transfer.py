@@ -111,6 +111,10 @@ class _Bench:
         return _best(once, self.repeats)
 
 
+# One case: (pattern, direction, plan specs submitted together, bytes moved).
+_Case = tuple[str, str, list[tuple[str, str, list[int], list[int]]], int]
+
+
 def run_cases(
     spec: KVSpec = LLAMA3_8B,
     block_tokens: Sequence[int] = (16, 32, 64, 128),
@@ -121,6 +125,12 @@ def run_cases(
     seed: int = 0,
     emit: Callable[[str], None] = print,
 ) -> list[dict[str, object]]:
+    """Time every engine over every layout, block size, id pattern and direction; one row per case.
+
+    Each (layout, block size) gets fresh tiers and its own ``random.Random(seed)``,
+    shared by its engines in turn and then by vLLM v0's loop, so a run is
+    reproducible case by case.
+    """
     cuda = torch.cuda.is_available()
     if engines is None:
         engines = [k for k in available_kinds() if k != "cpu"] or ["cpu"]
@@ -135,51 +145,68 @@ def run_cases(
             s = spec.with_block_size(bt)
             n = max(bytes_per_case // s.bytes_per_block, 2)
             half = 2 * n + 1  # ids 1..half-1 for one direction, half..2*half-2 for the other
-            pool = 2 * half
-            tiers = {"GPU": KVStorage(s, pool, "GPU", layout), "CPU": KVStorage(s, pool, "CPU", layout)}
-            for t in tiers.values():
-                t.byte_view().fill_(1)  # touch every page before timing
-            nbytes = n * s.bytes_per_block
+            tiers = _touched_tiers(s, layout, 2 * half)
             rng = random.Random(seed)
             for eng_name in engines:
                 engine = make_engine(tiers, eng_name)
                 bench = _Bench(tiers, engine, repeats)
-                cases: list[tuple[str, str, list[tuple[str, str, list[int], list[int]]], int]] = []
-                for pattern in ("contiguous", "scattered"):
-                    for src_m, dst_m, d in (("GPU", "CPU", "D2H"), ("CPU", "GPU", "H2D")):
-                        a, b = id_pattern(pattern, n, half, rng)
-                        cases.append((pattern, d, [(src_m, dst_m, a, b)], nbytes))
-                a, b = id_pattern("scattered", n, half, rng)
-                c, d = id_pattern("scattered", n, half, rng)
-                out_ids = (a, b)
-                in_ids = ([x + half - 1 for x in c], [x + half - 1 for x in d])
-                cases.append(("interleaved", "both", [("GPU", "CPU", *out_ids), ("CPU", "GPU", *in_ids)], 2 * nbytes))
-                for pattern, direction, specs, moved in cases:
-                    dt = bench.engine_time(specs)
-                    pk = bench.peak_time(specs[0][0], specs[0][1], moved)
-                    row = {
-                        "engine": eng_name,
-                        "layout": layout,
-                        "block_tokens": bt,
-                        "kv_shape": f"{s.num_layers}x{s.num_kv_heads}x{s.head_dim} {s.dtype}",
-                        "pattern": pattern,
-                        "direction": direction,
-                        "bytes": moved,
-                        "seconds": dt,
-                        "gbps": moved / dt / GB,
-                        "peak_gbps": moved / pk / GB,
-                        "ratio": pk / dt,
-                    }
-                    rows.append(row)
-                    emit(
-                        f"{eng_name:10} {layout:16} {bt:4d} {pattern:12} {direction:5} {moved >> 20:6d} "
-                        f"{row['gbps']:8.2f} {row['peak_gbps']:8.2f} {row['ratio']:6.2f}"
-                    )
+                for case in _cases(n, half, n * s.bytes_per_block, rng):
+                    rows.append(_time_case(bench, eng_name, layout, s, case, emit))
                 if hasattr(engine, "close"):
                     engine.close()
             if cuda:
                 rows.extend(_vllm_v0_loop(tiers, s, layout, n, half, rng, repeats, emit))
     return rows
+
+
+def _touched_tiers(s: KVSpec, layout: str, pool: int) -> dict[str, KVStorage]:
+    """A GPU and a CPU tier of ``pool`` blocks, every page touched so that first-touch faults stay out of timings."""
+    tiers = {"GPU": KVStorage(s, pool, "GPU", layout), "CPU": KVStorage(s, pool, "CPU", layout)}
+    for t in tiers.values():
+        t.byte_view().fill_(1)  # touch every page before timing
+    return tiers
+
+
+def _cases(n: int, half: int, nbytes: int, rng: random.Random) -> list[_Case]:
+    """Contiguous and scattered copies each way, then a swap-out and a swap-in of disjoint ids submitted together."""
+    cases: list[_Case] = []
+    for pattern in ("contiguous", "scattered"):
+        for src_m, dst_m, d in (("GPU", "CPU", "D2H"), ("CPU", "GPU", "H2D")):
+            a, b = id_pattern(pattern, n, half, rng)
+            cases.append((pattern, d, [(src_m, dst_m, a, b)], nbytes))
+    a, b = id_pattern("scattered", n, half, rng)
+    c, d = id_pattern("scattered", n, half, rng)
+    out_ids = (a, b)
+    in_ids = ([x + half - 1 for x in c], [x + half - 1 for x in d])
+    cases.append(("interleaved", "both", [("GPU", "CPU", *out_ids), ("CPU", "GPU", *in_ids)], 2 * nbytes))
+    return cases
+
+
+def _time_case(
+    bench: _Bench, eng_name: str, layout: str, s: KVSpec, case: _Case, emit: Callable[[str], None]
+) -> dict[str, object]:
+    """Time one case through the engine and its contiguous anchor; print its table row and return its JSON row."""
+    pattern, direction, specs, moved = case
+    dt = bench.engine_time(specs)
+    pk = bench.peak_time(specs[0][0], specs[0][1], moved)
+    row = {
+        "engine": eng_name,
+        "layout": layout,
+        "block_tokens": s.block_size,
+        "kv_shape": f"{s.num_layers}x{s.num_kv_heads}x{s.head_dim} {s.dtype}",
+        "pattern": pattern,
+        "direction": direction,
+        "bytes": moved,
+        "seconds": dt,
+        "gbps": moved / dt / GB,
+        "peak_gbps": moved / pk / GB,
+        "ratio": pk / dt,
+    }
+    emit(
+        f"{eng_name:10} {layout:16} {s.block_size:4d} {pattern:12} {direction:5} {moved >> 20:6d} "
+        f"{row['gbps']:8.2f} {row['peak_gbps']:8.2f} {row['ratio']:6.2f}"
+    )
+    return row
 
 
 def _vllm_v0_loop(

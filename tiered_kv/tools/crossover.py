@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,19 +32,12 @@ from typing import Any
 import torch
 
 from tiered_kv.engine.engine import Engine
-from tiered_kv.engine.model import ModelConfig, TinyLlama
+from tiered_kv.engine.model import ModelConfig
 from tiered_kv.manager.cost_model import CostModel, nnls
 from tiered_kv.sim.calibration import STEP_TERMS, Calibration, model_config_dict
 from tiered_kv.sim.progress import PhaseHook
-from tiered_kv.storage.kv_storage import KVStorage
-from tiered_kv.tools.crossover_timing import RowFile, relative_spread, spread
-from tiered_kv.transfer.factory import make_copy_engine
-from tiered_kv.transfer.plan import PlanKind, TransferPlan
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.current_stream().synchronize()  # measurement boundary only
+from tiered_kv.tools.crossover_rig import SwapRig
+from tiered_kv.tools.crossover_timing import RowFile, relative_spread
 
 
 def measure_lengths(
@@ -68,62 +60,8 @@ def measure_lengths(
     """
     spec = config.kv_spec(block_size)
     max_blocks = -(-max(lengths) // block_size)
-    scratch_blocks = 256 // block_size
-    n_blocks = 2 * max_blocks + 2 + scratch_blocks
-    tiers = {
-        "GPU": KVStorage(spec, n_blocks, "GPU", layout, device=device),
-        "CPU": KVStorage(spec, n_blocks, "CPU", layout),
-    }
-    for t in tiers.values():
-        t.byte_view().zero_()
-    copy = make_copy_engine(tiers)
-    model = TinyLlama(config, device)
+    rig = SwapRig(config, block_size, layout, max_blocks, repeats, device)
     rng = random.Random(0)
-    pid = [0]
-    scratch = list(range(2 * max_blocks + 1, 2 * max_blocks + 1 + scratch_blocks))
-
-    def submit(src_m: str, dst_m: str, src: list[int], dst: list[int]):
-        pid[0] += 1
-        kind = PlanKind.SWAP_OUT if dst_m == "CPU" else PlanKind.SWAP_IN
-        return copy.submit(TransferPlan(pid[0], src_m, dst_m, tuple(src), tuple(dst), kind, urgent=dst_m == "GPU"))
-
-    def transfer(src_m: str, dst_m: str, src: list[int], dst: list[int]) -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        h = submit(src_m, dst_m, src, dst)
-        if not h.wait(60):
-            raise RuntimeError(f"copy failed: {h.error}")
-        return time.perf_counter() - t0
-
-    def decode_step() -> None:
-        model.forward_chunk([1], 255, scratch, tiers["GPU"])
-
-    def beside_compute(table: list[int], other: list[int]) -> float:
-        """Both directions at once while a decode loop runs on a third context.
-
-        Timed by the copies' own completion stamps (set when each finishes), so the
-        result is not rounded up to whole decode steps.
-        """
-        _sync(device)
-        handles = [submit("GPU", "CPU", table, table), submit("CPU", "GPU", table, other)]
-        while not all(h.done() for h in handles):
-            decode_step()
-        for h in handles:
-            if not h.wait(60):
-                raise RuntimeError(f"copy failed: {h.error}")
-        return max(h.elapsed_s for h in handles)
-
-    def prefill(tokens: list[int], table: list[int]) -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        model.forward_chunk(tokens, 0, table, tiers["GPU"])
-        _sync(device)
-        return time.perf_counter() - t0
-
-    def point(fn: Callable[[], float]) -> dict[str, Any]:
-        fn()  # untimed: the first call pays for set-up, not for the work
-        return spread([fn() for _ in range(repeats)])
-
     out_rows = rows if rows is not None else RowFile(None)
     emit(
         f"{'tokens':>7} {'blocks':>6} {'MiB':>7} {'swap-out ms':>11} {'swap-in ms':>10} {'swap+compute ms':>15} "
@@ -137,35 +75,53 @@ def measure_lengths(
         table = list(range(1, nb + 1))
         other = list(range(max_blocks + 1, max_blocks + 1 + nb))
         tokens = [rng.randrange(config.vocab_size) for _ in range(length)]
-        recompute = point(lambda tokens=tokens, table=table: prefill(tokens, table))
-        out = point(lambda table=table: transfer("GPU", "CPU", table, table))
-        back = point(lambda table=table, other=other: transfer("CPU", "GPU", table, other))
-        with_compute = point(lambda table=table, other=other: beside_compute(table, other))
-        row = {
-            "tokens": length,
-            "blocks": nb,
-            "bytes": nb * spec.bytes_per_block,
-            "swap_out_s": out["median"],
-            "swap_in_s": back["median"],
-            "swap_with_compute_s": with_compute["median"],
-            "recompute_s": recompute["median"],
-            "winner": "swap" if out["median"] + back["median"] < recompute["median"] else "recompute",
-            "swap_out": out,
-            "swap_in": back,
-            "swap_with_compute": with_compute,
-            "recompute": recompute,
-        }
+        recompute = rig.point(lambda tokens=tokens, table=table: rig.prefill(tokens, table))
+        out = rig.point(lambda table=table: rig.transfer("GPU", "CPU", table, table))
+        back = rig.point(lambda table=table, other=other: rig.transfer("CPU", "GPU", table, other))
+        with_compute = rig.point(lambda table=table, other=other: rig.beside_compute(table, other))
+        row = _length_row(length, nb, nb * spec.bytes_per_block, out, back, with_compute, recompute)
         out_rows.add(row)
-        worst = max(relative_spread(s) for s in (out, back, with_compute, recompute))
-        emit(
-            f"{length:7d} {nb:6d} {row['bytes'] / 2**20:7.2f} {out['median'] * 1e3:11.3f} {back['median'] * 1e3:10.3f} "
-            f"{with_compute['median'] * 1e3:15.3f} {recompute['median'] * 1e3:12.3f} {worst:6.0%}  {row['winner']}"
-        )
+        _emit_length_row(emit, row)
         if progress is not None:
             progress(phase, len(out_rows.rows), len(lengths))
-    if hasattr(copy, "close"):
-        copy.close()
+    rig.close()
     return out_rows.rows
+
+
+def _length_row(
+    length: int,
+    nb: int,
+    nbytes: int,
+    out: dict[str, Any],
+    back: dict[str, Any],
+    with_compute: dict[str, Any],
+    recompute: dict[str, Any],
+) -> dict[str, Any]:
+    """One length's row: the medians, the winner on out + in against recompute, and each spread."""
+    return {
+        "tokens": length,
+        "blocks": nb,
+        "bytes": nbytes,
+        "swap_out_s": out["median"],
+        "swap_in_s": back["median"],
+        "swap_with_compute_s": with_compute["median"],
+        "recompute_s": recompute["median"],
+        "winner": "swap" if out["median"] + back["median"] < recompute["median"] else "recompute",
+        "swap_out": out,
+        "swap_in": back,
+        "swap_with_compute": with_compute,
+        "recompute": recompute,
+    }
+
+
+def _emit_length_row(emit: Callable[[str], None], row: dict[str, Any]) -> None:
+    """The table line of one length; ``spread`` is the widest relative spread of its four points."""
+    worst = max(relative_spread(row[k]) for k in ("swap_out", "swap_in", "swap_with_compute", "recompute"))
+    emit(
+        f"{row['tokens']:7d} {row['blocks']:6d} {row['bytes'] / 2**20:7.2f} {row['swap_out_s'] * 1e3:11.3f} "
+        f"{row['swap_in_s'] * 1e3:10.3f} {row['swap_with_compute_s'] * 1e3:15.3f} {row['recompute_s'] * 1e3:12.3f} "
+        f"{worst:6.0%}  {row['winner']}"
+    )
 
 
 def fit_step_model(
@@ -267,12 +223,7 @@ def crossover(
         f"block {block_size} tokens, {layout}"
     )
     rows = measure_lengths(config, block_size, layout, lengths, repeats, device, emit, progress, rows)
-    spec = config.kv_spec(block_size)
-    # The link is fitted to the copies that ran beside compute: during serving every copy
-    # does, and on a shared machine the contention is part of what a copy costs.
-    transfers = [(d, r["bytes"], 1, r["swap_with_compute_s"]) for r in rows for d in ("D2H", "H2D")]
-    prefills = [(r["tokens"], r["recompute_s"]) for r in rows]
-    cm = CostModel(kv_bytes_per_token=spec.bytes_per_token, block_size=block_size).calibrated(transfers, prefills)
+    cm = _fit_links(rows, config.kv_spec(block_size).bytes_per_token, block_size)
     coef, fit_err = fit_step_model(
         config,
         block_size,
@@ -284,30 +235,9 @@ def crossover(
         progress=progress,
     )
     cal = Calibration(device, block_size, layout, model_config_dict(config), cm, tuple(coef))  # type: ignore[arg-type]
-    cross = None
-    for a, b in itertools.pairwise(rows):
-        if a["winner"] != b["winner"]:
-            cross = b["tokens"]
-            break
-    winners = {r["winner"] for r in rows}
-    summary = (
-        f"swap wins at every length measured ({rows[0]['tokens']}-{rows[-1]['tokens']} tokens)"
-        if winners == {"swap"}
-        else f"recompute wins at every length measured ({rows[0]['tokens']}-{rows[-1]['tokens']} tokens)"
-        if winners == {"recompute"}
-        else f"crossover at about {cross} tokens"
-    )
+    cross, summary = _crossing(rows)
     emit(f"\n{summary}")
-    emit(
-        f"calibrated: D2H {cm.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {cm.h2d_bytes_per_s / 1e9:.2f} GB/s, "
-        f"per-copy overhead {cm.per_copy_overhead_s * 1e6:.1f} us, prefill {cm.prefill_tokens_per_s:.0f} tok/s "
-        f"+ {cm.prefill_quadratic_s_per_token2:.3e} s/tok^2"
-    )
-    emit(
-        "step model ("
-        + ", ".join(f"{t}={c:.3e}" for t, c in zip(STEP_TERMS, coef, strict=True))
-        + f"): mean abs error {fit_err:.1%} on real engine steps"
-    )
+    _emit_fits(emit, cm, coef, fit_err)
     doc = {
         "device": device,
         "model": model_config_dict(config),
@@ -321,6 +251,47 @@ def crossover(
         "calibration": cal.to_dict(),
     }
     return doc, cal
+
+
+def _fit_links(rows: list[dict[str, Any]], kv_bytes_per_token: int, block_size: int) -> CostModel:
+    """The cost model fitted to the rows: the links to their copies, the prefill curve to their recomputes."""
+    # The link is fitted to the copies that ran beside compute: during serving every copy
+    # does, and on a shared machine the contention is part of what a copy costs.
+    transfers = [(d, r["bytes"], 1, r["swap_with_compute_s"]) for r in rows for d in ("D2H", "H2D")]
+    prefills = [(r["tokens"], r["recompute_s"]) for r in rows]
+    return CostModel(kv_bytes_per_token=kv_bytes_per_token, block_size=block_size).calibrated(transfers, prefills)
+
+
+def _crossing(rows: list[dict[str, Any]]) -> tuple[int | None, str]:
+    """The first length where the winner changes (``None`` if it never does) and the one-line summary."""
+    cross = None
+    for a, b in itertools.pairwise(rows):
+        if a["winner"] != b["winner"]:
+            cross = b["tokens"]
+            break
+    winners = {r["winner"] for r in rows}
+    summary = (
+        f"swap wins at every length measured ({rows[0]['tokens']}-{rows[-1]['tokens']} tokens)"
+        if winners == {"swap"}
+        else f"recompute wins at every length measured ({rows[0]['tokens']}-{rows[-1]['tokens']} tokens)"
+        if winners == {"recompute"}
+        else f"crossover at about {cross} tokens"
+    )
+    return cross, summary
+
+
+def _emit_fits(emit: Callable[[str], None], cm: CostModel, coef: Sequence[float], fit_err: float) -> None:
+    """Print the fitted cost model and step model."""
+    emit(
+        f"calibrated: D2H {cm.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {cm.h2d_bytes_per_s / 1e9:.2f} GB/s, "
+        f"per-copy overhead {cm.per_copy_overhead_s * 1e6:.1f} us, prefill {cm.prefill_tokens_per_s:.0f} tok/s "
+        f"+ {cm.prefill_quadratic_s_per_token2:.3e} s/tok^2"
+    )
+    emit(
+        "step model ("
+        + ", ".join(f"{t}={c:.3e}" for t, c in zip(STEP_TERMS, coef, strict=True))
+        + f"): mean abs error {fit_err:.1%} on real engine steps"
+    )
 
 
 def plot(doc: dict[str, Any], outdir: Path) -> Path:

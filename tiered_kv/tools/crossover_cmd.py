@@ -60,6 +60,16 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
             "as it is measured; a calibration file is written for `tiered-kv simulate --calibration`.  Needs torch."
         ),
     )
+    _add_output_flags(p)
+    _add_model_flags(p)
+    _add_measurement_flags(p)
+    p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """Where the calibration, the measurements, the rows and the plot go."""
     p.add_argument(
         "--calibration-out",
         type=Path,
@@ -76,6 +86,10 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         "(default: beside --calibration-out, NAME-rows.jsonl)",
     )
     p.add_argument("--plots", type=Path, metavar="DIR", help="write crossover.png into this directory")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The two forms' groups: the user's model (``--model``) and the built-in small model's shape."""
     u = p.add_argument_group("your model (--model)")
     u.add_argument(
         "--model",
@@ -111,6 +125,10 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
     )
     m.add_argument("--head-dim", type=positive_int, metavar="N", help="head dimension (default: 32)")
     m.add_argument("--dtype", choices=DTYPES, help="weights and KV dtype (default: float32)")
+
+
+def _add_measurement_flags(p: argparse.ArgumentParser) -> None:
+    """The KV cache's geometry and how long and how often each point is measured."""
     k = p.add_argument_group("the KV cache and the measurement")
     k.add_argument(
         "--block-size", type=power_of_two, default=16, metavar="N", help="tokens per KV block (default: %(default)s)"
@@ -131,9 +149,6 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         metavar="N",
         help="timed runs per point, after one untimed; min/median/max reported (default: %(default)s)",
     )
-    p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
-    p.set_defaults(func=run)
-    return p
 
 
 def _rows_path(args: argparse.Namespace) -> Path:

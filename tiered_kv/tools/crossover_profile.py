@@ -181,6 +181,53 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.3f}"
 
 
+@dataclass(slots=True)
+class _LinkBench:
+    """What every measured length of one run shares.
+
+    Attributes:
+        timer: Times swap-out and swap-in through the run's copy engine.
+        spec: The model's KV shape per GPU.
+        compute: Prices the recompute each row is compared with.
+        repeats: Timed runs per point.
+        chunk: Blocks per copy of the engine: a swap of ``n`` blocks is ``ceil(n / chunk)`` copies.
+        hardware: When given, each row also carries the profile's own swap estimate.
+    """
+
+    timer: SwapTimer
+    spec: KVSpec
+    compute: ComputeSource
+    repeats: int
+    chunk: int
+    hardware: HardwareProfile | None
+
+    def row(self, length: int) -> dict[str, Any]:
+        """Measure one length: swap-out and swap-in spreads, their medians, recompute and the winner."""
+        nb = blocks_for(length, self.spec.block_size)
+        m = self.timer.measure(nb, self.repeats)
+        nbytes = nb * self.spec.bytes_per_block
+        copies = math.ceil(nb / self.chunk)
+        out_s, in_s = m["swap_out"]["median"], m["swap_in"]["median"]
+        recompute = self.compute.prefill.recompute_time(length)
+        row: dict[str, Any] = {
+            "tokens": length,
+            "blocks": nb,
+            "bytes": nbytes,
+            "copies": copies,
+            **m,
+            "swap_out_s": out_s,
+            "swap_in_s": in_s,
+            "swap_s": out_s + in_s,
+            "recompute_s": recompute,
+            "recompute_source": self.compute.name,
+            "winner": "swap" if out_s + in_s < recompute else "recompute",
+        }
+        if self.hardware is not None:
+            hw = self.hardware
+            row["swap_profile_s"] = 2 * (nbytes / hw.pcie_bytes_per_s + copies * hw.per_copy_overhead_s)
+        return row
+
+
 def profile_crossover(
     model: ModelProfile,
     compute: ComputeSource,
@@ -202,91 +249,22 @@ def profile_crossover(
     tiers = make_tiers(spec, max(lengths), layout, device)
     engine = make_copy_engine(tiers)
     link = link_name(engine, device)
-    timer = SwapTimer(engine, device)
-    emit(
-        f"model: {model.name} ({model.num_layers} layers x {model.kv_heads_per_gpu} KV heads per GPU x "
-        f"{model.head_dim}, {model.dtype}: {spec.bytes_per_token} bytes of KV per token); block {block_size} "
-        f"tokens, {layout}"
-    )
-    emit(f"link: measured here, {link}; contiguous block ids, {repeats} repeats per point (min/median/max)")
-    emit(f"compute: {compute.name}")
-    emit(
-        f"{'tokens':>7} {'MiB':>9} {'swap-out ms (min/med/max)':>27} {'swap-in ms (min/med/max)':>27} "
-        f"{'swap ms':>9} {'recompute ms':>12}  winner"
-    )
-    phase = "measuring the copy link"
-    if progress is not None:
-        progress(phase, 0, len(lengths))
-    samples: list[tuple[str, int, int, float]] = []
-    chunk = engine.max_blocks_per_chunk
+    bench = _LinkBench(SwapTimer(engine, device), spec, compute, repeats, engine.max_blocks_per_chunk, hardware)
+    _emit_header(emit, model, bench, layout, link)
     try:
-        for k, length in enumerate(lengths, 1):
-            nb = blocks_for(length, block_size)
-            m = timer.measure(nb, repeats)
-            nbytes = nb * spec.bytes_per_block
-            copies = math.ceil(nb / chunk)
-            out_s, in_s = m["swap_out"]["median"], m["swap_in"]["median"]
-            recompute = compute.prefill.recompute_time(length)
-            row: dict[str, Any] = {
-                "tokens": length,
-                "blocks": nb,
-                "bytes": nbytes,
-                "copies": copies,
-                **m,
-                "swap_out_s": out_s,
-                "swap_in_s": in_s,
-                "swap_s": out_s + in_s,
-                "recompute_s": recompute,
-                "recompute_source": compute.name,
-                "winner": "swap" if out_s + in_s < recompute else "recompute",
-            }
-            if hardware is not None:
-                row["swap_profile_s"] = 2 * (nbytes / hardware.pcie_bytes_per_s + copies * hardware.per_copy_overhead_s)
-            rows.add(row)
-            # One contiguous run per swap: its chunks grow with its bytes, so fitting them as runs
-            # would split the time between bandwidth and overhead arbitrarily.
-            samples += [("D2H", nbytes, 1, out_s), ("H2D", nbytes, 1, in_s)]
-            so, si = m["swap_out"], m["swap_in"]
-            emit(
-                f"{length:7d} {nbytes / 2**20:9.1f} "
-                f"{_ms(so['min']):>8}/{_ms(so['median']):>8}/{_ms(so['max']):>9} "
-                f"{_ms(si['min']):>8}/{_ms(si['median']):>8}/{_ms(si['max']):>9} "
-                f"{_ms(out_s + in_s):>9} {_ms(recompute):>12}  {row['winner']}"
-            )
-            if progress is not None:
-                progress(phase, k, len(lengths))
+        samples = _measure_link(bench, lengths, rows, emit, progress)
     finally:
         if hasattr(engine, "close"):
             engine.close()
         for t in tiers.values():
             t.close()
     link_fit = fit_link(samples)
-    cm = CostModel(
-        kv_bytes_per_token=spec.bytes_per_token,
-        block_size=block_size,
-        d2h_bytes_per_s=link_fit["d2h_bytes_per_s"],
-        h2d_bytes_per_s=link_fit["h2d_bytes_per_s"],
-        per_copy_overhead_s=link_fit["per_copy_overhead_s"],
-        prefill_tokens_per_s=compute.prefill.prefill_tokens_per_s,
-        prefill_quadratic_s_per_token2=compute.prefill.prefill_quadratic_s_per_token2,
-        prefill_overhead_s=compute.prefill.prefill_overhead_s,
-    )
-    fitted = fitted_crossover(cm, 1.0 / chunk, block_size)
+    cm = _link_cost_model(spec, link_fit, compute.prefill)
+    fitted = fitted_crossover(cm, 1.0 / bench.chunk, block_size)
     measured = rows.rows
     change = next((b["tokens"] for a, b in itertools.pairwise(measured) if a["winner"] != b["winner"]), None)
-    if fitted["tokens"] is None:
-        answer = f"{fitted['short']} at every context length (fitted line, up to {SEARCH_MAX_TOKENS} tokens)"
-    else:
-        answer = f"{fitted['short']} below about {fitted['tokens']} tokens, {fitted['long']} from there up"
-    winners = ", ".join(f"{r['winner']} at {r['tokens']}" for r in measured)
-    emit(f"\n{model.name}: {answer}")
-    emit(f"measured: {winners}")
-    emit(
-        f"fitted link: D2H {cm.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {cm.h2d_bytes_per_s / 1e9:.2f} GB/s, "
-        f"{cm.per_copy_overhead_s * 1e6:.1f} us per copy ({link})"
-    )
-    spreads = [(r["swap_out"]["max"] - r["swap_out"]["min"]) / r["swap_out"]["median"] for r in measured]
-    emit(f"largest spread of a swap-out point: {max(spreads):.0%} of its median")
+    answer = _answer(fitted)
+    _emit_summary(emit, model.name, answer, measured, cm, link)
     cal = Calibration(f"{device}: {link}", block_size, layout, per_gpu_model(model), cm, compute.step_model)
     doc = {
         "model": per_gpu_model(model),
@@ -304,3 +282,85 @@ def profile_crossover(
         "calibration": cal.to_dict(),
     }
     return doc, cal
+
+
+def _emit_header(emit: Callable[[str], None], model: ModelProfile, bench: _LinkBench, layout: str, link: str) -> None:
+    """The model, link and compute lines, then the table's column names."""
+    spec = bench.spec
+    emit(
+        f"model: {model.name} ({model.num_layers} layers x {model.kv_heads_per_gpu} KV heads per GPU x "
+        f"{model.head_dim}, {model.dtype}: {spec.bytes_per_token} bytes of KV per token); block {spec.block_size} "
+        f"tokens, {layout}"
+    )
+    emit(f"link: measured here, {link}; contiguous block ids, {bench.repeats} repeats per point (min/median/max)")
+    emit(f"compute: {bench.compute.name}")
+    emit(
+        f"{'tokens':>7} {'MiB':>9} {'swap-out ms (min/med/max)':>27} {'swap-in ms (min/med/max)':>27} "
+        f"{'swap ms':>9} {'recompute ms':>12}  winner"
+    )
+
+
+def _measure_link(
+    bench: _LinkBench,
+    lengths: Sequence[int],
+    rows: RowFile,
+    emit: Callable[[str], None],
+    progress: PhaseHook | None,
+) -> list[tuple[str, int, int, float]]:
+    """Measure every length, adding and printing each row as it lands; return the link's fit samples."""
+    phase = "measuring the copy link"
+    if progress is not None:
+        progress(phase, 0, len(lengths))
+    samples: list[tuple[str, int, int, float]] = []
+    for k, length in enumerate(lengths, 1):
+        row = bench.row(length)
+        rows.add(row)
+        # One contiguous run per swap: its chunks grow with its bytes, so fitting them as runs
+        # would split the time between bandwidth and overhead arbitrarily.
+        samples += [("D2H", row["bytes"], 1, row["swap_out_s"]), ("H2D", row["bytes"], 1, row["swap_in_s"])]
+        so, si = row["swap_out"], row["swap_in"]
+        emit(
+            f"{length:7d} {row['bytes'] / 2**20:9.1f} "
+            f"{_ms(so['min']):>8}/{_ms(so['median']):>8}/{_ms(so['max']):>9} "
+            f"{_ms(si['min']):>8}/{_ms(si['median']):>8}/{_ms(si['max']):>9} "
+            f"{_ms(row['swap_s']):>9} {_ms(row['recompute_s']):>12}  {row['winner']}"
+        )
+        if progress is not None:
+            progress(phase, k, len(lengths))
+    return samples
+
+
+def _link_cost_model(spec: KVSpec, link_fit: dict[str, float], prefill: CostModel) -> CostModel:
+    """The fitted link joined to the compute source's prefill curve."""
+    return CostModel(
+        kv_bytes_per_token=spec.bytes_per_token,
+        block_size=spec.block_size,
+        d2h_bytes_per_s=link_fit["d2h_bytes_per_s"],
+        h2d_bytes_per_s=link_fit["h2d_bytes_per_s"],
+        per_copy_overhead_s=link_fit["per_copy_overhead_s"],
+        prefill_tokens_per_s=prefill.prefill_tokens_per_s,
+        prefill_quadratic_s_per_token2=prefill.prefill_quadratic_s_per_token2,
+        prefill_overhead_s=prefill.prefill_overhead_s,
+    )
+
+
+def _answer(fitted: dict[str, Any]) -> str:
+    """The answer in words, from the fitted crossover."""
+    if fitted["tokens"] is None:
+        return f"{fitted['short']} at every context length (fitted line, up to {SEARCH_MAX_TOKENS} tokens)"
+    return f"{fitted['short']} below about {fitted['tokens']} tokens, {fitted['long']} from there up"
+
+
+def _emit_summary(
+    emit: Callable[[str], None], name: str, answer: str, measured: list[dict[str, Any]], cm: CostModel, link: str
+) -> None:
+    """The answer, the winner per measured length, the fitted link and the widest swap-out spread."""
+    winners = ", ".join(f"{r['winner']} at {r['tokens']}" for r in measured)
+    emit(f"\n{name}: {answer}")
+    emit(f"measured: {winners}")
+    emit(
+        f"fitted link: D2H {cm.d2h_bytes_per_s / 1e9:.2f} GB/s, H2D {cm.h2d_bytes_per_s / 1e9:.2f} GB/s, "
+        f"{cm.per_copy_overhead_s * 1e6:.1f} us per copy ({link})"
+    )
+    spreads = [(r["swap_out"]["max"] - r["swap_out"]["min"]) / r["swap_out"]["median"] for r in measured]
+    emit(f"largest spread of a swap-out point: {max(spreads):.0%} of its median")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ import torch
 from tiered_kv.errors import ResourceLimitError
 from tiered_kv.manager.cost_model import CostModel, nnls
 from tiered_kv.sim.calibration import STEP_TERMS, Calibration
+from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tools.crossover_link import SwapTimer, blocks_for, check_tiers_fit, link_name, make_tiers
 from tiered_kv.tools.crossover_model import LlamaShape, RandomLlama
 from tiered_kv.tools.crossover_timing import RowFile, Stopwatch, relative_spread
@@ -118,69 +121,7 @@ def real_crossover(
         doc["stopped"] = "no length fits in memory here"
         save(doc)
         return doc, None
-    spec = shape.kv_spec(block_size)
-    model = RandomLlama(shape, device)
-    tiers = make_tiers(spec, max(fit), "block_contiguous", device)
-    engine = make_copy_engine(tiers)
-    doc["link"] = link_name(engine, device)
-    gpu = tiers["GPU"]
-    watch = Stopwatch(device)
-    swaps = SwapTimer(engine, device)
-    emit(
-        f"crossover at real size: {shape.name} ({shape.num_params / 1e9:.2f}B parameters, {shape.dtype}), "
-        f"{spec.bytes_per_token} bytes of KV per token; link: {doc['link']}"
-    )
-    emit(f"{'tokens':>7} {'MiB':>8} {'recompute ms':>13} {'swap-out ms':>12} {'swap-in ms':>11} {'spread':>7}  winner")
-    try:
-        for length in fit:
-            if stop():
-                doc["stopped"] = f"out of time before {length} tokens"
-                break
-            nb = blocks_for(length, block_size)
-            batch = model.prepare([list(range(1, nb + 1))], 0, length, block_size)
-            recompute = watch.repeat(lambda batch=batch: model.forward(batch, gpu), repeats)
-            m = swaps.measure(nb, repeats)
-            out_s, in_s, re_s = m["swap_out"]["median"], m["swap_in"]["median"], recompute["median"]
-            row = {
-                "tokens": length,
-                "blocks": nb,
-                "bytes": nb * spec.bytes_per_block,
-                "copies": math.ceil(nb / engine.max_blocks_per_chunk),
-                "recompute": recompute,
-                **m,
-                "recompute_s": re_s,
-                "swap_out_s": out_s,
-                "swap_in_s": in_s,
-                "swap_s": out_s + in_s,
-                "winner": "swap" if out_s + in_s < re_s else "recompute",
-            }
-            rows.add(row)
-            worst = max(relative_spread(x) for x in (recompute, m["swap_out"], m["swap_in"]))
-            emit(
-                f"{length:7d} {row['bytes'] / 2**20:8.1f} {re_s * 1e3:13.3f} {out_s * 1e3:12.3f} {in_s * 1e3:11.3f} "
-                f"{worst:7.0%}  {row['winner']}"
-            )
-            save(doc)
-        longest = max((r["tokens"] for r in rows.rows), default=0)
-        for batch_size, ctx in decode_points:
-            if stop():
-                doc["stopped"] = doc["stopped"] or "out of time in the decode steps"
-                break
-            if ctx + 1 > longest:
-                continue
-            table = list(range(1, blocks_for(ctx + 1, block_size) + 1))
-            batch = model.prepare([table] * batch_size, ctx, 1, block_size)
-            t = watch.repeat(lambda batch=batch: model.forward(batch, gpu), repeats)
-            doc["decode"].append({"batch": batch_size, "context": ctx, "step": t, "step_s": t["median"]})
-            emit(f"decode step: {batch_size} requests x {ctx} tokens of context: {t['median'] * 1e3:.3f} ms")
-            save(doc)
-    finally:
-        if hasattr(engine, "close"):
-            engine.close()
-        for t in tiers.values():
-            t.close()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    _measure(shape, block_size, fit, repeats, device, decode_points, rows, stop, emit, save, doc)
     measured = rows.rows
     doc["crossover_tokens"] = next(
         (b["tokens"] for a, b in itertools.pairwise(measured) if a["winner"] != b["winner"]), None
@@ -191,6 +132,132 @@ def real_crossover(
         doc["calibration_why_not"] = f"{len(measured)} lengths measured; a prefill curve needs 3"
         save(doc)
         return doc, None
+    cal = _calibrate(doc, measured, shape, block_size, device_name, emit)
+    save(doc)
+    return doc, cal
+
+
+@dataclass(slots=True)
+class _RealRun:
+    """The instruments of one run: the model, its paged GPU tier, the clocks and the engine's chunk size."""
+
+    model: RandomLlama
+    gpu: KVStorage
+    watch: Stopwatch
+    swaps: SwapTimer
+    spec: KVSpec
+    chunk: int
+    repeats: int
+
+    def length_row(self, length: int) -> dict[str, Any]:
+        """Recompute (a prefill of the whole context), then swap-out and swap-in of its blocks; the row."""
+        nb = blocks_for(length, self.spec.block_size)
+        batch = self.model.prepare([list(range(1, nb + 1))], 0, length, self.spec.block_size)
+        recompute = self.watch.repeat(lambda: self.model.forward(batch, self.gpu), self.repeats)
+        m = self.swaps.measure(nb, self.repeats)
+        out_s, in_s, re_s = m["swap_out"]["median"], m["swap_in"]["median"], recompute["median"]
+        return {
+            "tokens": length,
+            "blocks": nb,
+            "bytes": nb * self.spec.bytes_per_block,
+            "copies": math.ceil(nb / self.chunk),
+            "recompute": recompute,
+            **m,
+            "recompute_s": re_s,
+            "swap_out_s": out_s,
+            "swap_in_s": in_s,
+            "swap_s": out_s + in_s,
+            "winner": "swap" if out_s + in_s < re_s else "recompute",
+        }
+
+    def decode_step(self, batch_size: int, ctx: int) -> dict[str, Any]:
+        """One decode step of ``batch_size`` requests with ``ctx`` tokens of context each."""
+        table = list(range(1, blocks_for(ctx + 1, self.spec.block_size) + 1))
+        batch = self.model.prepare([table] * batch_size, ctx, 1, self.spec.block_size)
+        t = self.watch.repeat(lambda: self.model.forward(batch, self.gpu), self.repeats)
+        return {"batch": batch_size, "context": ctx, "step": t, "step_s": t["median"]}
+
+
+def _measure(
+    shape: LlamaShape,
+    block_size: int,
+    fit: list[int],
+    repeats: int,
+    device: str,
+    decode_points: Sequence[tuple[int, int]],
+    rows: RowFile,
+    stop: Callable[[], bool],
+    emit: Callable[[str], None],
+    save: Callable[[dict[str, Any]], None],
+    doc: dict[str, Any],
+) -> None:
+    """Allocate the model, tiers and copy engine; measure the lengths, then the decode points; always free them."""
+    spec = shape.kv_spec(block_size)
+    model = RandomLlama(shape, device)
+    tiers = make_tiers(spec, max(fit), "block_contiguous", device)
+    engine = make_copy_engine(tiers)
+    doc["link"] = link_name(engine, device)
+    chunk = engine.max_blocks_per_chunk
+    run = _RealRun(model, tiers["GPU"], Stopwatch(device), SwapTimer(engine, device), spec, chunk, repeats)
+    emit(
+        f"crossover at real size: {shape.name} ({shape.num_params / 1e9:.2f}B parameters, {shape.dtype}), "
+        f"{spec.bytes_per_token} bytes of KV per token; link: {doc['link']}"
+    )
+    emit(f"{'tokens':>7} {'MiB':>8} {'recompute ms':>13} {'swap-out ms':>12} {'swap-in ms':>11} {'spread':>7}  winner")
+    try:
+        for length in fit:
+            if stop():
+                doc["stopped"] = f"out of time before {length} tokens"
+                break
+            row = run.length_row(length)
+            rows.add(row)
+            worst = max(relative_spread(x) for x in (row["recompute"], row["swap_out"], row["swap_in"]))
+            emit(
+                f"{length:7d} {row['bytes'] / 2**20:8.1f} {row['recompute_s'] * 1e3:13.3f} "
+                f"{row['swap_out_s'] * 1e3:12.3f} {row['swap_in_s'] * 1e3:11.3f} {worst:7.0%}  {row['winner']}"
+            )
+            save(doc)
+        _measure_decode(run, decode_points, max((r["tokens"] for r in rows.rows), default=0), doc, stop, emit, save)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
+        for t in tiers.values():
+            t.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _measure_decode(
+    run: _RealRun,
+    decode_points: Sequence[tuple[int, int]],
+    longest: int,
+    doc: dict[str, Any],
+    stop: Callable[[], bool],
+    emit: Callable[[str], None],
+    save: Callable[[dict[str, Any]], None],
+) -> None:
+    """Time the decode points whose context the measured lengths cover, into ``doc["decode"]``."""
+    for batch_size, ctx in decode_points:
+        if stop():
+            doc["stopped"] = doc["stopped"] or "out of time in the decode steps"
+            break
+        if ctx + 1 > longest:
+            continue
+        step = run.decode_step(batch_size, ctx)
+        doc["decode"].append(step)
+        emit(f"decode step: {batch_size} requests x {ctx} tokens of context: {step['step_s'] * 1e3:.3f} ms")
+        save(doc)
+
+
+def _calibrate(
+    doc: dict[str, Any],
+    measured: list[dict[str, Any]],
+    shape: LlamaShape,
+    block_size: int,
+    device_name: str,
+    emit: Callable[[str], None],
+) -> Calibration:
+    """Fit the link, the prefill curve and the step model to the measured rows and decode steps; fill ``doc``."""
     directions = (("D2H", "swap_out_s"), ("H2D", "swap_in_s"))
     # One contiguous run per swap (the engine's chunking of it is not a run the cost model counts):
     # fitting runs that grow with bytes splits the time between bandwidth and per-run overhead
@@ -202,6 +269,7 @@ def real_crossover(
         for d, k in directions
     ]
     prefills = [(r["tokens"], r["recompute_s"]) for r in measured]
+    spec = shape.kv_spec(block_size)
     cm = CostModel(kv_bytes_per_token=spec.bytes_per_token, block_size=block_size).calibrated(transfers, prefills)
     steps = [(float(n), float(n * n), float(n), 1.0, s) for n, s in prefills]
     for d in doc["decode"]:
@@ -217,5 +285,4 @@ def real_crossover(
         f"{cm.prefill_tokens_per_s:.0f} tok/s + {cm.prefill_quadratic_s_per_token2:.3e} s/tok^2; step model fit "
         f"error {err:.1%} on {len(steps)} prefill and decode steps"
     )
-    save(doc)
-    return doc, cal
+    return cal

@@ -104,43 +104,12 @@ def run_gpu_tests(
     if tests is None:
         return {"ran": False, "why": "no tests/ directory beside the package (run from a source checkout)"}
     root = tests.parent
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-m",
-        marker,
-        "-v",
-        "-rs",
-        "-p",
-        "no:cacheprovider",
-        "-o",
-        "addopts=",
-        "--continue-on-collection-errors",
-        *extra_args,
-        str(tests),
-    ]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
-    env["PYTHONUNBUFFERED"] = "1"
+    cmd = _pytest_command(marker, extra_args, tests)
+    env = _child_env(root)
     t0 = time.monotonic()
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        if children is not None:
-            children.append(proc.pid)
-        stopped = None
-        try:
-            while proc.poll() is None:
-                if deadline.expired():
-                    stopped = f"stopped at the part's time budget of {deadline.seconds:.0f} s"
-                    _end(proc)
-                    break
-                time.sleep(0.2)
-        finally:
-            if proc.poll() is None:  # interrupted: never leave the child running
-                _end(proc)
-            if children is not None:
-                children.remove(proc.pid)
+        stopped = _supervise(proc, deadline, children)
     result = parse(log_path.read_text(errors="replace"))
     result.update(
         {
@@ -157,3 +126,54 @@ def run_gpu_tests(
         stopped is None and proc.returncode in (0, 5) and not result["problems"] and not result["collection_errors"]
     )
     return result
+
+
+def _pytest_command(marker: str, extra_args: tuple[str, ...], tests: Path) -> list[str]:
+    """``python -m pytest`` over ``tests`` for the marked tests, verbose, without the project's own options."""
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        marker,
+        "-v",
+        "-rs",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "--continue-on-collection-errors",
+        *extra_args,
+        str(tests),
+    ]
+
+
+def _child_env(root: Path) -> dict[str, str]:
+    """This environment with the checkout first on ``PYTHONPATH`` and unbuffered output, so the log is live."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _supervise(proc: subprocess.Popen[bytes], deadline: Deadline, children: list[int] | None) -> str | None:
+    """Wait for the child until it ends or ``deadline`` expires; return why it was stopped, or None.
+
+    Whatever happens (an interrupt included), the child is not left running.
+    """
+    if children is not None:
+        children.append(proc.pid)
+    stopped = None
+    try:
+        while proc.poll() is None:
+            if deadline.expired():
+                stopped = f"stopped at the part's time budget of {deadline.seconds:.0f} s"
+                _end(proc)
+                break
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:  # interrupted: never leave the child running
+            _end(proc)
+        if children is not None:
+            children.remove(proc.pid)
+    return stopped
