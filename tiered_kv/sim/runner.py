@@ -145,6 +145,83 @@ def _parallel(tasks: list[Task], workers: int, prog: Progress, sizes: list[int],
     return outs  # type: ignore[return-value]
 
 
+def _plan(
+    regimes: list[tuple],
+    cal: Calibration | None,
+    requests_path: Path | None,
+    trace_path: Path | None,
+    metrics_path: Path | None,
+) -> tuple[list[Task], list[int], list[tuple], dict[str | None, list[SimRequest]]]:
+    """One task per run and regime, each regime's workload built once; and what the header line needs."""
+    tasks: list[Task] = []
+    sizes: list[int] = []
+    heads = []
+    workloads: dict[str | None, list[SimRequest]] = {}
+    for name, rate, _expect, cfg in regimes:
+        setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
+        workload = workloads[name] = build_workload(cfg, setups)  # sized and checked once per regime
+        first = setups[0]
+        ratio = demand_ratio(cfg, first, workload)
+        where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
+        heads.append((name, rate, where, first, ratio, len(workload)))
+        for i in range(len(setups)):
+            keep = (requests_path is not None, trace_path is not None)
+            tasks.append(Task(cfg, name, i, cal, *keep, len(tasks) + 1, metrics_path is not None))
+            sizes.append(len(workload))
+    return tasks, sizes, heads, workloads
+
+
+def _report_regimes(
+    regimes: list[tuple], results: list[dict[str, Any]], emit: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Print each regime's verdict and tables; return the regime summaries of the results document."""
+    summaries = []
+    for name, rate, expect, _ in regimes:
+        runs = [r for r in results if r["regime"] == name]
+        verdict = regime_verdict(runs, rate)
+        summaries.append({"name": name, "rate": rate, "expect": expect, **verdict})
+        emit("")
+        if name is not None:
+            emit(f"regime {name}: {rate:g} requests/s offered; {verdict['text']}")
+            if expect is not None and expect != verdict["regime"]:
+                emit(f"  note: this regime was meant to be {expect!r}, but the measurements say {verdict['regime']!r}")
+        emit(table(runs))
+        if has_tiers(runs):
+            emit("")
+            emit(tier_table(runs))
+    return summaries
+
+
+def _write_outputs(
+    doc: dict[str, Any],
+    outs: list[dict[str, Any]],
+    emit: Callable[[str], None],
+    json_path: Path | None,
+    requests_path: Path | None,
+    trace_path: Path | None,
+    metrics_path: Path | None,
+    plots_dir: Path | None,
+) -> None:
+    """Write every output the caller asked for, and say where."""
+    results = doc["runs"]
+    cfg0 = doc["config"]
+    if json_path is not None:
+        write_json(json_path, doc)
+        emit(f"\nwrote {json_path}")
+    if requests_path is not None:
+        write_text(requests_path, "".join(o["requests"] for o in outs), "--requests")
+        emit(f"wrote {requests_path}")
+    if trace_path is not None:
+        write_trace(trace_path, [e for o in outs for e in o["timeline"]])  # each run is a process of its own
+        emit(f"wrote {trace_path}")
+    if metrics_path is not None:
+        write_metrics(metrics_path, [o["metrics"] for o in outs])
+        emit(f"wrote {metrics_path}")
+    if plots_dir is not None:
+        for p in plot(results, plots_dir, cfg0["name"]):
+            emit(f"wrote {p}")
+
+
 def simulate(
     config: str | Path | None = None,
     json_path: Path | None = None,
@@ -177,21 +254,7 @@ def simulate(
         import_extra("matplotlib", "--plots")  # before the run, not after it
     if metrics_path is not None:
         import_extra("prometheus_client", "--metrics")
-    tasks: list[Task] = []
-    sizes: list[int] = []
-    heads = []
-    workloads: dict[str | None, list[SimRequest]] = {}
-    for name, rate, _expect, cfg in regimes:
-        setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
-        workload = workloads[name] = build_workload(cfg, setups)  # sized and checked once per regime
-        first = setups[0]
-        ratio = demand_ratio(cfg, first, workload)
-        where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
-        heads.append((name, rate, where, first, ratio, len(workload)))
-        for i in range(len(setups)):
-            keep = (requests_path is not None, trace_path is not None)
-            tasks.append(Task(cfg, name, i, cal, *keep, len(tasks) + 1, metrics_path is not None))
-            sizes.append(len(workload))
+    tasks, sizes, heads, workloads = _plan(regimes, cal, requests_path, trace_path, metrics_path)
     cfg0 = regimes[0][3]
     _, _, where, first, ratio0, _ = heads[0]
     emit(
@@ -206,20 +269,7 @@ def simulate(
         else:
             outs = _serial(tasks, prog, sizes, say, workloads)
     results = [o["result"] for o in outs]
-    summaries = []
-    for name, rate, expect, _ in regimes:
-        runs = [r for r in results if r["regime"] == name]
-        verdict = regime_verdict(runs, rate)
-        summaries.append({"name": name, "rate": rate, "expect": expect, **verdict})
-        emit("")
-        if name is not None:
-            emit(f"regime {name}: {rate:g} requests/s offered; {verdict['text']}")
-            if expect is not None and expect != verdict["regime"]:
-                emit(f"  note: this regime was meant to be {expect!r}, but the measurements say {verdict['regime']!r}")
-        emit(table(runs))
-        if has_tiers(runs):
-            emit("")
-            emit(tier_table(runs))
+    summaries = _report_regimes(regimes, results, emit)
     doc = {
         "name": cfg0["name"],
         "hardware": where,
@@ -229,21 +279,7 @@ def simulate(
         "regimes": summaries,
         "runs": results,
     }
-    if json_path is not None:
-        write_json(json_path, doc)
-        emit(f"\nwrote {json_path}")
-    if requests_path is not None:
-        write_text(requests_path, "".join(o["requests"] for o in outs), "--requests")
-        emit(f"wrote {requests_path}")
-    if trace_path is not None:
-        write_trace(trace_path, [e for o in outs for e in o["timeline"]])  # each run is a process of its own
-        emit(f"wrote {trace_path}")
-    if metrics_path is not None:
-        write_metrics(metrics_path, [o["metrics"] for o in outs])
-        emit(f"wrote {metrics_path}")
-    if plots_dir is not None:
-        for p in plot(results, plots_dir, cfg0["name"]):
-            emit(f"wrote {p}")
+    _write_outputs(doc, outs, emit, json_path, requests_path, trace_path, metrics_path, plots_dir)
     return doc
 
 
