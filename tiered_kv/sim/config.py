@@ -220,21 +220,17 @@ def validate_config(raw: Any, calibration: Calibration | None = None) -> dict[st
     return cfg
 
 
-def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None = None) -> RunSetup:
-    """Derive block counts, link and cost model for one run; raise ConfigError naming the key.
+@dataclass(frozen=True, slots=True)
+class _Sizes:
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    gpu_kv_gib: float
+    cpu_kv_gib: float
+    block_bytes: int
 
-    With a ``calibration`` (from ``tiered-kv crossover``), the model, the link,
-    the step-time model and the manager's cost model are the measured ones.
-    """
-    run = cfg["runs"][run_index]
-    rkey = f"runs[{run_index}]"
-    hw = load_hardware(cfg["hardware"])
-    model = calibration.model_profile() if calibration is not None else load_model(cfg["model"])
-    if calibration is not None and calibration.block_size != cfg["memory"]["block_size"]:
-        raise ConfigError(
-            f"memory.block_size: {cfg['memory']['block_size']} differs from the calibration's "
-            f"block size {calibration.block_size}"
-        )
+
+def _sizes(cfg: dict[str, Any], run: dict[str, Any], rkey: str, hw: HardwareProfile, model: ModelProfile) -> _Sizes:
+    """The run's GPU and CPU pools in blocks and GiB, checked against the GPU, the host and the workload."""
     mem = cfg["memory"]
     bs = mem["block_size"]
     usable = hw.memory_gib * mem["gpu_memory_utilization"] - mem["activation_reserve_gib"]
@@ -283,6 +279,18 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
                 f"workload.prompt_len: the longest request ({longest} tokens) needs more than the "
                 f"{n_gpu - 1} GPU blocks of {gkey}; it could never run"
             )
+    return _Sizes(n_gpu, n_cpu, gpu_kv, cpu_kv, block_bytes)
+
+
+def _models(
+    cfg: dict[str, Any],
+    run: dict[str, Any],
+    hw: HardwareProfile,
+    model: ModelProfile,
+    calibration: Calibration | None,
+) -> tuple[ComputeModel, CostModel, LinkProfile]:
+    """The run's step-time model, the manager's cost model and the PCIe link: measured, or from the profiles."""
+    bs = cfg["memory"]["block_size"]
     c = cfg["compute"]
     sp = hw.step
     mfu = c["mfu"] if c["mfu"] is not None else sp.mfu
@@ -321,6 +329,29 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
             prefill_tokens_per_s=compute.prefill_tokens_per_s(),
             prefill_quadratic_s_per_token2=compute.prefill_quadratic(),
         )
+    return compute, cost, link
+
+
+def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None = None) -> RunSetup:
+    """Derive block counts, link and cost model for one run; raise ConfigError naming the key.
+
+    With a ``calibration`` (from ``tiered-kv crossover``), the model, the link,
+    the step-time model and the manager's cost model are the measured ones.
+    """
+    run = cfg["runs"][run_index]
+    rkey = f"runs[{run_index}]"
+    hw = load_hardware(cfg["hardware"])
+    model = calibration.model_profile() if calibration is not None else load_model(cfg["model"])
+    if calibration is not None and calibration.block_size != cfg["memory"]["block_size"]:
+        raise ConfigError(
+            f"memory.block_size: {cfg['memory']['block_size']} differs from the calibration's "
+            f"block size {calibration.block_size}"
+        )
+    sizes = _sizes(cfg, run, rkey, hw, model)
+    n_gpu, n_cpu, block_bytes = sizes.num_gpu_blocks, sizes.num_cpu_blocks, sizes.block_bytes
+    bs = cfg["memory"]["block_size"]
+    compute, cost, link = _models(cfg, run, hw, model, calibration)
+    d2h, h2d, ovh = link.d2h_bytes_per_s, link.h2d_bytes_per_s, link.per_copy_s
     s = cfg["scheduler"]
     seqs_default, tokens_default = hw.vllm_default_limits
     max_tokens = s["max_num_batched_tokens"] if s["max_num_batched_tokens"] is not None else tokens_default
@@ -337,8 +368,8 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
         block_size=bs,
         num_gpu_blocks=n_gpu,
         num_cpu_blocks=max(n_cpu, 0),
-        gpu_kv_gib=gpu_kv,
-        cpu_kv_gib=cpu_kv,
+        gpu_kv_gib=sizes.gpu_kv_gib,
+        cpu_kv_gib=sizes.cpu_kv_gib,
         d2h_bytes_per_s=d2h,
         h2d_bytes_per_s=h2d,
         per_copy_overhead_s=ovh,

@@ -31,57 +31,56 @@ def chrome_trace(sim: Simulator, name: str, pid: int = 1) -> list[dict[str, Any]
     for track, tid in TRACKS.items():
         label = "compute" if track == "compute" else f"copies {track}"
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}})
-    for s in sim.steps:
+    _steps(sim, pid, events)
+    _copies(sim, pid, events)
+    _tier_io(sim, pid, events)
+    return events
+
+
+def _slice(
+    name: str, pid: int, tid: int, start: float, end: float, args: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    event: dict[str, Any] = {"ph": "X", "name": name, "pid": pid, "tid": tid, "ts": _us(start), "dur": _us(end - start)}
+    if args is not None:
+        event["args"] = args
+    return event
+
+
+def _steps(sim: Simulator, pid: int, events: list[dict[str, Any]]) -> None:
+    """The compute track: each step, after a ``waiting for copies`` slice when it had to wait."""
+    for s in sim.steps or ():
         if s.start > s.issued:
-            events.append(
-                {
-                    "ph": "X",
-                    "name": "waiting for copies",
-                    "pid": pid,
-                    "tid": 1,
-                    "ts": _us(s.issued),
-                    "dur": _us(s.start - s.issued),
-                }
-            )
-        events.append(
-            {
-                "ph": "X",
-                "name": f"step {s.index}",
-                "pid": pid,
-                "tid": 1,
-                "ts": _us(s.start),
-                "dur": _us(s.end - s.start),
-                "args": {
-                    "requests": s.num_seqs,
-                    "tokens": s.num_tokens,
-                    "compute_ms": round(s.compute_s * 1e3, 6),
-                    "waiting_on_layerwise_copies_ms": round((s.end - s.start - s.compute_s) * 1e3, 6),
-                    "preempted": s.preempted,
-                    "resumed": s.resumed,
-                },
-            }
-        )
-    for j in sim.engine.jobs:
+            events.append(_slice("waiting for copies", pid, 1, s.issued, s.start))
+        args = {
+            "requests": s.num_seqs,
+            "tokens": s.num_tokens,
+            "compute_ms": round(s.compute_s * 1e3, 6),
+            "waiting_on_layerwise_copies_ms": round((s.end - s.start - s.compute_s) * 1e3, 6),
+            "preempted": s.preempted,
+            "resumed": s.resumed,
+        }
+        events.append(_slice(f"step {s.index}", pid, 1, s.start, s.end, args))
+
+
+def _copies(sim: Simulator, pid: int, events: list[dict[str, Any]]) -> None:
+    """The two copy tracks: every GPU<->CPU copy that ran."""
+    for j in sim.engine.jobs or ():
         if j.start < 0 or j.end < 0:
             continue
         plan = j.plan
-        events.append(
-            {
-                "ph": "X",
-                "name": f"{plan.kind.value} {plan.plan_id}",
-                "pid": pid,
-                "tid": TRACKS.get(j.direction, 4),
-                "ts": _us(j.start),
-                "dur": _us(j.end - j.start),
-                "args": {
-                    "request": plan.request_id if isinstance(plan.request_id, int | str) else str(plan.request_id),
-                    "blocks": plan.num_blocks,
-                    "bytes": j.nbytes,
-                    "copies": j.copies,
-                    "ordered_before_compute": j.early,
-                },
-            }
-        )
+        args = {
+            "request": plan.request_id if isinstance(plan.request_id, int | str) else str(plan.request_id),
+            "blocks": plan.num_blocks,
+            "bytes": j.nbytes,
+            "copies": j.copies,
+            "ordered_before_compute": j.early,
+        }
+        name = f"{plan.kind.value} {plan.plan_id}"
+        events.append(_slice(name, pid, TRACKS.get(j.direction, 4), j.start, j.end, args))
+
+
+def _tier_io(sim: Simulator, pid: int, events: list[dict[str, Any]]) -> None:
+    """One track per tier below the CPU and direction."""
     tid = max(TRACKS.values()) + 1
     for medium, engine in sim.tier_engines.items():
         for op in ("load", "store"):
@@ -93,15 +92,5 @@ def chrome_trace(sim: Simulator, name: str, pid: int = 1) -> list[dict[str, Any]
                 if t.op != op:
                     continue
                 plan = t.handle.plan
-                events.append(
-                    {
-                        "ph": "X",
-                        "name": f"{plan.kind.value} {plan.plan_id}",
-                        "pid": pid,
-                        "tid": tid,
-                        "ts": _us(t.start),
-                        "dur": _us(t.end - t.start),
-                        "args": {"blocks": plan.num_blocks, "bytes": t.handle.num_bytes},
-                    }
-                )
-    return events
+                args = {"blocks": plan.num_blocks, "bytes": t.handle.num_bytes}
+                events.append(_slice(f"{plan.kind.value} {plan.plan_id}", pid, tid, t.start, t.end, args))
