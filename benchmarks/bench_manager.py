@@ -32,7 +32,18 @@ from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.transfer import TransferHandle, TransferPlan, TransferStatus
 
 BLOCK_SIZE = 16
-TIMED = ("admit", "allocate", "preempt", "resume", "poll", "free", "quote", "on_tokens_computed", "blocks_short")
+TIMED = (
+    "admit",
+    "allocate",
+    "preempt",
+    "resume",
+    "poll",
+    "free",
+    "quote",
+    "preemption_bounds",
+    "on_tokens_computed",
+    "blocks_short",
+)
 
 
 class InstantCopyEngine:

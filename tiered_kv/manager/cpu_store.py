@@ -178,9 +178,19 @@ class CPUStore(BlockStore):
         tier manager prices a swap-out with it and sizes saves before eviction
         by it, without trying a store it might have to undo.
         """
-        slots, evictable = self._slots, self._evictable
-        protected = sum(1 for key in key_set("keys", keys) if key in slots and evictable(key))
-        return self.num_free + self.num_evictable - protected
+        protected = self._slots.keys() & key_set("keys", keys)  # resident; those ready and unpinned are spared
+        return self.num_free + self.num_evictable - len(protected.difference(self._pending, self._pinned))
+
+    def missing(self, keys: Sequence[Key]) -> list[int]:
+        # A query, priced per preemption candidate: keys are checked only as far as an answer needs.
+        slots = self._slots
+        try:
+            out = [i for i, key in enumerate(keys) if key not in slots]  # type: ignore[arg-type]
+        except TypeError:
+            out = None
+        if out is None or keys.__class__ not in (list, tuple) or any(keys[i] in (None, True, False) for i in out):
+            key_set("keys", keys)  # raises, naming the problem
+        return out
 
     # -------------------------------------------------------------------- loads
     def _refuse(self, verb: str, keys: Sequence[Key]) -> None:

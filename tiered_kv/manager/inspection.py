@@ -6,14 +6,15 @@ Nothing here changes state.  Part of :class:`~tiered_kv.manager.TierManager`
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from tiered_kv import checks
+from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.guard import exclusive
 from tiered_kv.manager.invariants import check_ownership
 from tiered_kv.manager.manager_state import ManagerState
 from tiered_kv.manager.metrics import MetricsSnapshot, snapshot
-from tiered_kv.manager.states import Residency
+from tiered_kv.manager.states import MODES, Residency
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan
 
 
@@ -77,6 +78,33 @@ class Inspection(ManagerState):
         return t.handle if t is not None else None
 
     @exclusive
+    def preemption_bounds(
+        self, request_ids: Sequence[Hashable], mode: str = "auto", lookups: bool = True
+    ) -> list[float]:
+        """Cheap lower bounds of the cost-aware key of requests on the GPU, for pruning a ranking.
+
+        For each request, a value never above ``q.cost(mode) / q.blocks_freed``
+        of its :meth:`quote` ``q`` now (``inf`` where it frees nothing), from
+        counts kept as tables change and a few lookups instead of a scan of its
+        table (see :mod:`~tiered_kv.manager.preempt_bounds`).  ``lookups``:
+        look up a few of each request's latest blocks in the CPU tier (a
+        tighter bound, for a little more).  Raises for a request that is not
+        on the GPU.
+        """
+        checks.choice("mode", mode, MODES)
+        checks.flag("lookups", lookups)
+        if request_ids.__class__ is not list and request_ids.__class__ is not tuple:
+            raise InvalidArgumentError(f"request_ids must be a list or tuple, got {checks.describe(request_ids)}")
+        gpu = Residency.GPU
+        try:
+            held = list(map(self._held.get, request_ids))
+        except TypeError:
+            held = [None]  # an unhashable id: _get names it
+        if any(h is None or h.residency is not gpu for h in held):
+            held = [self._get(rid, gpu) for rid in request_ids]  # raises, naming the first not on the GPU
+        return self._bounds.lower_bounds([h.request for h in held], mode, self._swap, lookups)  # type: ignore[union-attr]
+
+    @exclusive
     def cpu_room(self) -> int:
         """CPU store blocks a store could take now: free ones plus unpinned cached ones it may evict."""
         return self.store.num_free + self.store.num_evictable if self.store is not None else 0
@@ -101,3 +129,6 @@ class Inspection(ManagerState):
         check_ownership(self.gpu, self.store, self.transfers, swapped, low.cpu_pins() if low is not None else None)
         if low is not None:
             low.check_invariants()
+        self._bounds.check()
+        if self._swap is not None:
+            self._swap.check_tails(h.request for h in self._held.values() if h.residency is Residency.GPU)

@@ -25,6 +25,7 @@ from tiered_kv.manager.lower_tiers import LowerTiers
 from tiered_kv.manager.metrics import TierCounters
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import Decision
+from tiered_kv.manager.preempt_bounds import PreemptBounds
 from tiered_kv.manager.states import Residency
 from tiered_kv.manager.swap import SwappedKV, Swapper
 from tiered_kv.manager.transfers import Transfers
@@ -57,6 +58,7 @@ class ManagerState:
     counters: TierCounters
     decision_log: list[Decision]
     _swap: Swapper | None
+    _bounds: PreemptBounds
     _off: Offloader | None
     _lower: LowerTiers | None
     _held: dict[Hashable, Held]

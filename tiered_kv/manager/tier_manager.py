@@ -42,6 +42,7 @@ from tiered_kv.manager.manager_state import Held
 from tiered_kv.manager.metrics import TierCounters
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import Admission, Decision, Preemption, Resumption
+from tiered_kv.manager.preempt_bounds import PreemptBounds
 from tiered_kv.manager.pricing import Quote, checked_cost_model, price
 from tiered_kv.manager.settling import Settling
 from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, Residency
@@ -125,8 +126,15 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         self.offload = offload if self.store is not None else "none"
         self.evict_window = evict_window
         self.transfers = Transfers(copy_engine, self.gpu.block_pool)
-        self._swap = Swapper(self.gpu, self.store, self.transfers, enable_caching) if self.store else None
-        self._off = Offloader(self.gpu, self.store, self.transfers) if self.store else None
+        self._bounds = PreemptBounds(self.gpu, self.cost_model)
+        self.transfers.on_hold, self.transfers.on_release = self._bounds.acquired, self._bounds.released
+        free_table = self._bounds.free_table
+        self._swap = (
+            Swapper(self.gpu, self.store, self.transfers, enable_caching, free_table, self._bounds.acquired)
+            if self.store
+            else None
+        )
+        self._off = Offloader(self.gpu, self.store, self.transfers, free_table) if self.store else None
         self.counters = TierCounters()
         self.decision_log: list[Decision] = []
         self._lower: LowerTiers | None = None
@@ -174,6 +182,8 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
             request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, num_external_computed_tokens=n_cpu
         )
         assert new is not None, "allocation was checked to fit"
+        if gpu_hits:
+            self._bounds.acquired(gpu_hits)
         h = self._held[rid] = Held(request, Residency.GPU)
         self.counters.count_lookup(request.num_tokens, n_gpu, n_cpu, self.store is not None)
         plan = None
@@ -314,7 +324,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         self._forget(h)
 
     def _forget(self, h: Held) -> None:
-        self.gpu.free(h.request)
+        self._bounds.free_table(h.request)
         if h.swapped is not None:
             assert self._swap is not None
             self._swap.release(h.swapped)

@@ -1,0 +1,184 @@
+"""Lower bounds of the cost-aware preemption key, kept incrementally, so a ranking prices few requests.
+
+The cost-aware policy ranks running requests by the time a preemption loses
+per GPU block it frees, ``Quote.cost(mode) / Quote.blocks_freed``.  Pricing one
+request exactly scans its block table (the blocks it alone holds, those the CPU
+tier lacks, their runs); at hundreds of running requests, pricing every one at
+each decision costs more than the rest of a scheduler step.  Best-first ranking
+(:meth:`~tiered_kv.manager.policies.VictimPolicy.iter_rank`) prices only the
+requests whose bound is below the best exact key found so far, so a bound must
+be cheap and tight, and never above the exact key, or the order would change.
+
+Per request the bound takes:
+
+* **blocks freed**: at most what the last scan of its table counted, plus every
+  block the table has grown by since (a table only grows while it is on the
+  GPU; a new table is scanned afresh).  The count can only rise otherwise when
+  a block it shared drops to this request alone, so the manager reports every
+  release of GPU blocks (:meth:`PreemptBounds.released`) and a request watching
+  such a block is scanned again when next asked.  A block that gains a holder
+  only lowers the true count: the bound stays an upper bound.
+* **blocks moved**: at least its partial tail and the full blocks past its
+  prompt that the CPU tier lacks now (a few lookups; see
+  :meth:`~tiered_kv.manager.swap.Swapper.moved_at_least`).
+* **copy runs**: at least one, where anything is copied.
+
+Exactness of the decisions is tested against pricing every request
+(``tests/test_cost_aware_exact.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from tiered_kv.core.block import KVCacheBlock
+from tiered_kv.core.kv_cache_manager import KVCacheManager
+from tiered_kv.core.request import Request
+from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.swap import Swapper
+
+
+@dataclass(slots=True)
+class _Scan:
+    """A request's table as last seen: the blocks it alone holds (ids, runs) and those it shares."""
+
+    table: list[KVCacheBlock]  # the live table: another list is another table, scanned afresh
+    num_blocks: int = 0  # how much of it is counted
+    freed: list[int] = field(default_factory=list)  # ids of the blocks it alone holds, in table order
+    runs: int = 0  # runs of consecutive ids among them
+    shared: list[int] = field(default_factory=list)  # ids of the blocks another holder has too
+
+
+class PreemptBounds:
+    """Per-request counts of freeable blocks, kept as tables change, and the bound of each cost-aware key."""
+
+    def __init__(self, gpu: KVCacheManager, cost_model: CostModel) -> None:
+        self.gpu = gpu
+        self.cost_model = cost_model
+        self._scans: dict[Hashable, _Scan] = {}
+        self._solo: dict[int, Hashable] = {}  # block id -> the scanned request that alone holds it
+        self._watch: dict[int, set[Hashable]] = {}  # shared block id -> scanned requests that hold it
+
+    def stats(self, request_id: Hashable) -> _Scan:
+        """The request's counts now: its table scanned once, then only what it grew by."""
+        table = self.gpu.get_blocks(request_id)
+        s = self._scans.get(request_id)
+        if s is None or s.table is not table:
+            self.forget(request_id)
+            s = self._scans[request_id] = _Scan(table)
+        if s.num_blocks != len(table):
+            self._count(request_id, s, table)
+        return s
+
+    def _count(self, request_id: Hashable, s: _Scan, table: list[KVCacheBlock]) -> None:
+        solo, watch, freed, shared = self._solo, self._watch, s.freed, s.shared
+        last = freed[-1] if freed else -2
+        runs = s.runs
+        for b in table[s.num_blocks :]:
+            bid = b.block_id
+            if b.ref_cnt == 1:
+                freed.append(bid)
+                solo[bid] = request_id
+                if bid != last + 1:
+                    runs += 1
+                last = bid
+            else:
+                shared.append(bid)
+                w = watch.get(bid)
+                if w is None:
+                    watch[bid] = {request_id}
+                else:
+                    w.add(request_id)
+        s.runs, s.num_blocks = runs, len(table)
+
+    def forget(self, request_id: Hashable) -> None:
+        """Drop the request's counts (its table is freed, or changed in a way that needs a new scan)."""
+        s = self._scans.pop(request_id, None)
+        if s is None:
+            return
+        solo, watch = self._solo, self._watch
+        for bid in s.freed:
+            if solo.get(bid) == request_id:
+                del solo[bid]
+        for bid in s.shared:
+            w = watch.get(bid)
+            if w is not None:
+                w.discard(request_id)
+                if not w:
+                    del watch[bid]
+
+    def acquired(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """GPU blocks just gained a holder: a request that held one alone no longer does."""
+        solo = self._solo
+        if not solo:
+            return
+        for b in blocks:
+            rid = solo.get(b.block_id)
+            if rid is not None and b.ref_cnt != 1:
+                self.forget(rid)
+
+    def released(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """GPU blocks just lost a holder: a request that shared one may now hold it alone."""
+        watch = self._watch
+        if not watch:
+            return
+        for b in blocks:
+            if b.ref_cnt == 1 and b.block_id in watch:
+                for rid in list(watch[b.block_id]):
+                    self.forget(rid)
+
+    def free_table(self, request: Request) -> None:
+        """Free the request's GPU table (``KVCacheManager.free``) and report the release."""
+        blocks = self.gpu.get_blocks(request.request_id)  # the live list: the pool's free leaves it as it is
+        self.forget(request.request_id)
+        self.gpu.free(request)
+        if blocks:
+            self.released(blocks)
+
+    def lower_bounds(
+        self, requests: Sequence[Request], mode: str, swapper: Swapper | None, lookups: bool = True
+    ) -> list[float]:
+        """For each request on the GPU, a value never above ``quote.cost(mode) / quote.blocks_freed``.
+
+        The blocks freed and their runs are exact, so are the swap-in and
+        recompute times; only the swap-out is bounded from below (the blocks
+        moved, at least what ``swapper`` finds missing among a few, or only the
+        partial tail without ``lookups``; one run).  ``swapper``: the one that
+        would price its swap-out (``None``: no CPU tier).
+        """
+        cm = self.cost_model
+        # Per block, as the cost model prices them (a rounding apart: the policy keeps a margin).
+        in_block, out_block = cm.swap_in_time(1, 0), cm.swap_out_time(1, 0)
+        overhead = cm.per_copy_overhead_s
+        recompute_time, stats = cm.recompute_time, self.stats
+        out: list[float] = []
+        for req in requests:
+            s = stats(req.request_id)
+            n = len(s.freed)
+            if n == 0:
+                out.append(math.inf)
+                continue
+            rec = recompute_time(req.num_computed_tokens) / n
+            if mode == "recompute":
+                out.append(rec)
+                continue
+            moved = swapper.moved_at_least(req, req.num_computed_tokens, lookups) if swapper is not None else 0
+            swap_out = moved * out_block + overhead if moved else 0.0
+            swap = in_block + (swap_out + s.runs * overhead) / n
+            out.append(swap if mode == "swap" else min(swap, rec))
+        return out
+
+    def check(self) -> None:
+        """Assert that every request's counts are those a fresh scan of its table finds."""
+        for rid, s in self._scans.items():
+            table = self.gpu.get_blocks(rid)
+            if s.table is not table:
+                continue  # stale: scanned afresh when next asked
+            fresh = _Scan(table)
+            PreemptBounds(self.gpu, self.cost_model)._count(rid, fresh, table[: s.num_blocks])
+            assert (fresh.freed, fresh.runs) == (s.freed, s.runs), (
+                f"request {rid!r}: kept counts {len(s.freed)} blocks freed in {s.runs} runs, "
+                f"its table has {len(fresh.freed)} in {fresh.runs}"
+            )
