@@ -31,6 +31,7 @@ from tiered_kv.manager.store import (
 from tiered_kv.manager.store_policies import CachePolicy, make_cache_policy
 
 _HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+_NOT_KEYS = (None, True, False)  # never stored, so always missing: a caller's bug to name
 
 
 def _bad_key(name: str, key: object) -> NoReturn:
@@ -178,18 +179,17 @@ class CPUStore(BlockStore):
         tier manager prices a swap-out with it and sizes saves before eviction
         by it, without trying a store it might have to undo.
         """
-        protected = self._slots.keys() & key_set("keys", keys)  # resident; those ready and unpinned are spared
-        return self.num_free + self.num_evictable - len(protected.difference(self._pending, self._pinned))
+        named, slots = key_set("keys", keys), self._slots
+        busy = (named & self._pending) | (named & self._pinned)  # small sets: never a walk of the store
+        return self.num_free + self.num_evictable - (sum(map(slots.__contains__, named)) - len(busy))
 
     def missing(self, keys: Sequence[Key]) -> list[int]:
-        # A query, priced per preemption candidate: keys are checked only as far as an answer needs.
-        slots = self._slots
-        try:
-            out = [i for i, key in enumerate(keys) if key not in slots]  # type: ignore[arg-type]
+        try:  # priced per preemption candidate: keys are checked only as far as the answer needs
+            out = [i for i, key in enumerate(keys) if key not in self._slots]  # type: ignore[arg-type]
         except TypeError:
             out = None
-        if out is None or keys.__class__ not in (list, tuple) or any(keys[i] in (None, True, False) for i in out):
-            key_set("keys", keys)  # raises, naming the problem
+        if out is None or keys.__class__ not in (list, tuple) or any(keys[i] in _NOT_KEYS for i in out):
+            key_set("keys", keys)  # raises, naming the problem (or lets the keys 0 and 1 pass)
         return out
 
     # -------------------------------------------------------------------- loads
