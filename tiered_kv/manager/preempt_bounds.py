@@ -151,22 +151,31 @@ class PreemptBounds:
         cm = self.cost_model
         # Per block, as the cost model prices them (a rounding apart: the policy keeps a margin).
         in_block, out_block = cm.swap_in_time(1, 0), cm.swap_out_time(1, 0)
-        overhead = cm.per_copy_overhead_s
-        recompute_time, stats = cm.recompute_time, self.stats
+        overhead, recompute_time = cm.per_copy_overhead_s, cm.recompute_time
+        bs = self.gpu.block_size
+        scans, get_blocks, stats = self._scans, self.gpu.get_blocks, self.stats
         out: list[float] = []
         for req in requests:
-            s = stats(req.request_id)
+            rid = req.request_id
+            s = scans.get(rid)
+            if s is None or s.table is not (table := get_blocks(rid)) or s.num_blocks != len(table):
+                s = stats(rid)
             n = len(s.freed)
             if n == 0:
                 out.append(math.inf)
                 continue
-            rec = recompute_time(req.num_computed_tokens) / n
+            n_tok = req.num_computed_tokens
+            rec = recompute_time(n_tok) / n
             if mode == "recompute":
                 out.append(rec)
                 continue
-            moved = swapper.moved_at_least(req, req.num_computed_tokens, lookups) if swapper is not None else 0
-            swap_out = moved * out_block + overhead if moved else 0.0
-            swap = in_block + (swap_out + s.runs * overhead) / n
+            if swapper is None:
+                moved = 0
+            elif lookups:
+                moved = swapper.moved_at_least(req, n_tok)
+            else:
+                moved = 1 if n_tok % bs else 0  # the partial tail (see Swapper.moved_at_least)
+            swap = in_block + ((moved * out_block + overhead if moved else 0.0) + s.runs * overhead) / n
             out.append(swap if mode == "swap" else min(swap, rec))
         return out
 
