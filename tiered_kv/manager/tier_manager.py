@@ -54,6 +54,7 @@ from tiered_kv.storage.spec import KVSpec
 from tiered_kv.transfer.engine import CopyEngine
 
 OFFLOAD_POLICIES = ("none", "write_through", "on_evict")
+_GPU = Residency.GPU  # read per call of allocate: a module constant is much cheaper than the enum's attribute
 
 
 class TierManager(Inspection, WriteThrough, Settling, TierAttach):
@@ -218,7 +219,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
                 h = self._held.get(request_id)
             except TypeError:
                 h = None  # unhashable: _get names the problem
-            if h is None or h.residency is not Residency.GPU:
+            if h is None or h.residency is not _GPU:
                 h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
                 if not h.layered:
                     h = self._get(request_id, Residency.GPU)  # names the state it is in
@@ -226,7 +227,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
                 return self.gpu.allocate_slots(
                     h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=True
                 )
-            return self.gpu.allocate_slots(h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+            return self.gpu.allocate_slots(h.request, num_new_tokens, 0, None, num_lookahead_tokens)
         finally:
             lock.release()
 
