@@ -123,6 +123,9 @@ class Inspection(ManagerState):
 
         With tiers below the CPU: also every store's invariants, and that every
         move of the chain in flight pins its source and keeps its destination pending.
+        Also that the per-request counts behind :meth:`preemption_bounds` are
+        what a fresh scan of each table finds, and that no request on the GPU
+        has its partial tail's key in the CPU store (the bounds assume it).
         """
         swapped = {rid: h.swapped.keys if h.swapped is not None else None for rid, h in self._held.items()}
         low = self._lower

@@ -9,19 +9,24 @@ each decision costs more than the rest of a scheduler step.  Best-first ranking
 requests whose bound is below the best exact key found so far, so a bound must
 be cheap and tight, and never above the exact key, or the order would change.
 
-Per request the bound takes:
+Per request, the counts are the ids of the blocks it alone holds (``ref_cnt
+== 1``: what a preemption frees) and their runs, in table order, the same as
+a quote's scan finds.  They are kept, not rescanned:
 
-* **blocks freed**: at most what the last scan of its table counted, plus every
-  block the table has grown by since (a table only grows while it is on the
-  GPU; a new table is scanned afresh).  The count can only rise otherwise when
-  a block it shared drops to this request alone, so the manager reports every
-  release of GPU blocks (:meth:`PreemptBounds.released`) and a request watching
-  such a block is scanned again when next asked.  A block that gains a holder
-  only lowers the true count: the bound stays an upper bound.
-* **blocks moved**: at least its partial tail and the full blocks past its
-  prompt that the CPU tier lacks now (a few lookups; see
-  :meth:`~tiered_kv.manager.swap.Swapper.moved_at_least`).
-* **copy runs**: at least one, where anything is copied.
+* a table only grows while it is on the GPU, so only the blocks it grew by
+  are counted (another table, after a free, is scanned afresh);
+* a block it held alone stops being so only when it gains a holder: a prefix
+  hit at admission or resumption, or a copy's hold.  The manager reports those
+  (:meth:`PreemptBounds.acquired`) and the request is scanned again when next
+  asked;
+* a block it shared becomes its alone only when the other holders let go: a
+  freed table or a settled copy (:meth:`PreemptBounds.released`), likewise.
+
+``check_invariants`` compares the kept counts with a fresh scan.  From them the
+swap-in and recompute times of the key are exact; the swap-out is bounded from
+below: the partial tail (never in the CPU tier while the request is on the
+GPU), plus, at the tighter level, a few of the latest full blocks looked up,
+in one run.
 
 Exactness of the decisions is tested against pricing every request
 (``tests/test_cost_aware_exact.py``).
