@@ -126,16 +126,11 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         self.store: CPUStore | None = CPUStore(num_cpu_blocks, store_policy) if num_cpu_blocks else None
         self.offload = offload if self.store is not None else "none"
         self.evict_window = evict_window
-        self.transfers = Transfers(copy_engine, self.gpu.block_pool)
-        self._bounds = PreemptBounds(self.gpu, self.cost_model)
-        self.transfers.on_hold, self.transfers.on_release = self._bounds.acquired, self._bounds.released
-        free_table = self._bounds.free_table
-        self._swap = (
-            Swapper(self.gpu, self.store, self.transfers, enable_caching, free_table, self._bounds.acquired)
-            if self.store
-            else None
-        )
-        self._off = Offloader(self.gpu, self.store, self.transfers, free_table) if self.store else None
+        tr = self.transfers = Transfers(copy_engine, self.gpu.block_pool)
+        b = self._bounds = PreemptBounds(self.gpu, self.cost_model)  # told of every hold and release
+        tr.on_hold, tr.on_release = b.acquired, b.released
+        self._swap = Swapper(self.gpu, self.store, tr, enable_caching, b.free_table, b.acquired) if self.store else None
+        self._off = Offloader(self.gpu, self.store, tr, b.free_table) if self.store else None
         self.counters = TierCounters()
         self.decision_log: list[Decision] = []
         self._lower: LowerTiers | None = None
