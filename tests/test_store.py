@@ -266,6 +266,14 @@ def test_the_policys_own_evict_walks_keys_the_store_set_aside():
 
 
 # ------------------------------------------------------ queries and helpers
+def test_missing_names_the_absent_keys_in_order_and_counts_no_query():
+    store = populated()
+    stats = store.stats
+    assert store.missing(["a", "x", "c", "d", "y"]) == [1, 4]  # pinned and pending keys are resident
+    assert store.missing(()) == [] and store.missing([0, 1]) == [0, 1]  # 0 and 1 are keys, not bools
+    assert store.stats == stats
+
+
 def test_contains_is_ready_and_room_for_count_no_query():
     store = populated()  # a, b ready and evictable; c pinned; d pending; one free slot
     before = store.stats
@@ -320,8 +328,10 @@ def test_fast_built_results_are_the_same_frozen_records():
 
 def test_store_modules_import_only_the_standard_library():
     root = pathlib.Path(tiered_kv.__file__).parent / "manager"
-    allowed = {"tiered_kv.checks", "tiered_kv.errors", "tiered_kv.manager.store", "tiered_kv.manager.store_policies"}
-    for name in ("store.py", "cpu_store.py", "store_policies.py"):
+    policies = ("store_policies", "store_policy", "store_lru", "store_arc")
+    allowed = {"tiered_kv.checks", "tiered_kv.errors", "tiered_kv.manager.store"}
+    allowed |= {f"tiered_kv.manager.{name}" for name in policies}
+    for name in ("store.py", "cpu_store.py", *(f"{p}.py" for p in policies)):
         for node in ast.walk(ast.parse((root / name).read_text())):
             if isinstance(node, ast.ImportFrom):
                 mods = [node.module or ""]
@@ -357,6 +367,10 @@ CASES = [
     ("room_for a set", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.room_for({"a"})),
     ("room_for twice a key", InvalidArgumentError, "twice", lambda s: s.room_for(["a", "a"])),
     ("room_for None key", InvalidArgumentError, r"keys\[0\]", lambda s: s.room_for([None])),
+    ("missing in a set", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.missing({"a"})),
+    ("missing in a str", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.missing("ab")),
+    ("missing None key", InvalidArgumentError, r"keys\[1\]", lambda s: s.missing(["a", None])),
+    ("missing unhashable", InvalidArgumentError, r"keys\[0\] must be a hashable", lambda s: s.missing([{}])),
     ("store one unhashable", InvalidArgumentError, r"keys\[0\] must be a hashable", lambda s: s.prepare_store([{}])),
     ("store one None", InvalidArgumentError, r"keys\[0\]", lambda s: s.prepare_store((None,))),
     ("store one True", InvalidArgumentError, "not a bool", lambda s: s.prepare_store([True])),

@@ -82,7 +82,12 @@ for v in BAD_IDS:
     ):
         args = (v, 1) if name in ("allocate", "blocks_short") else (v,)
         ROWS.append((f"{name} request_id={v!r}", lambda tm, eng, n=name, a=args: getattr(tm, n)(*a)))
+    ROWS.append((f"preemption_bounds request_ids=[{v!r}]", lambda tm, eng, v=v: tm.preemption_bounds(["run", v])))
 ROWS += [
+    ("preemption_bounds request_ids=None", lambda tm, eng: tm.preemption_bounds(None)),
+    ("preemption_bounds request_ids='run'", lambda tm, eng: tm.preemption_bounds("run")),
+    ("preemption_bounds mode='fast'", lambda tm, eng: tm.preemption_bounds(["run"], "fast")),
+    ("preemption_bounds lookups=1", lambda tm, eng: tm.preemption_bounds(["run"], "auto", 1)),
     ("admit request=None", lambda tm, eng: tm.admit(None, 1)),
     ("admit a request id", lambda tm, eng: tm.admit("new", 1)),
     ("preempt mode=''", lambda tm, eng: tm.preempt("run", "")),
@@ -104,6 +109,18 @@ TRANSITIONS = [
     ("grow a swapped request", InvalidTransitionError, "'sw' is cpu, not gpu", lambda tm: tm.allocate("sw", 1)),
     ("grow a loading request", InvalidTransitionError, "'load' is loading", lambda tm: tm.allocate("load", 1)),
     ("quote a swapped request", InvalidTransitionError, "'sw' is cpu, not gpu", lambda tm: tm.quote("sw")),
+    (
+        "bound a swapped request",
+        InvalidTransitionError,
+        "'sw' is cpu, not gpu",
+        lambda tm: tm.preemption_bounds(["run", "sw"]),
+    ),
+    (
+        "bound an unknown request",
+        UnknownRequestError,
+        "'ghost' is not held",
+        lambda tm: tm.preemption_bounds(["ghost"]),
+    ),
     ("preempt a swapped request", InvalidTransitionError, "'sw' is cpu", lambda tm: tm.preempt("sw", "swap")),
     ("preempt mid swap-out", InvalidTransitionError, "'out' is swapping_out", lambda tm: tm.preempt("out")),
     ("drop a running request's swap", InvalidTransitionError, "'run' is gpu", lambda tm: tm.drop_swapped("run")),

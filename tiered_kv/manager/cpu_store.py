@@ -31,6 +31,7 @@ from tiered_kv.manager.store import (
 from tiered_kv.manager.store_policies import CachePolicy, make_cache_policy
 
 _HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+_NOT_KEYS = (None, True, False)  # never stored, so always missing: a caller's bug to name
 
 
 def _bad_key(name: str, key: object) -> NoReturn:
@@ -178,9 +179,18 @@ class CPUStore(BlockStore):
         tier manager prices a swap-out with it and sizes saves before eviction
         by it, without trying a store it might have to undo.
         """
-        slots, evictable = self._slots, self._evictable
-        protected = sum(1 for key in key_set("keys", keys) if key in slots and evictable(key))
-        return self.num_free + self.num_evictable - protected
+        named, slots = key_set("keys", keys), self._slots
+        busy = (named & self._pending) | (named & self._pinned)  # small sets: never a walk of the store
+        return self.num_free + self.num_evictable - (sum(map(slots.__contains__, named)) - len(busy))
+
+    def missing(self, keys: Sequence[Key]) -> list[int]:
+        try:  # priced per preemption candidate: keys are checked only as far as the answer needs
+            out = [i for i, key in enumerate(keys) if key not in self._slots]  # type: ignore[arg-type]
+        except TypeError:
+            out = None
+        if out is None or keys.__class__ not in (list, tuple) or any(keys[i] in _NOT_KEYS for i in out):
+            key_set("keys", keys)  # raises, naming the problem (or lets the keys 0 and 1 pass)
+        return out
 
     # -------------------------------------------------------------------- loads
     def _refuse(self, verb: str, keys: Sequence[Key]) -> None:

@@ -14,6 +14,7 @@ reads.  Either way nothing a copy touches changes hands until it settles.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tiered_kv.core.block import KVCacheBlock
@@ -38,10 +39,18 @@ class _Load:
 class Offloader:
     """Stores of GPU blocks to the store, and loads of prefix hits from it."""
 
-    def __init__(self, gpu: KVCacheManager, store: BlockStore, transfers: Transfers) -> None:
+    def __init__(
+        self,
+        gpu: KVCacheManager,
+        store: BlockStore,
+        transfers: Transfers,
+        free_table: Callable[[Request], None] | None = None,
+    ) -> None:
         self.gpu = gpu
         self.store = store
         self.transfers = transfers
+        #: Frees a request's GPU table (default ``gpu.free``; the manager's also reports the release).
+        self.free_table = free_table if free_table is not None else gpu.free
         self.refused = 0  # stores the store had no room for
 
     def _store(
@@ -127,7 +136,7 @@ class Offloader:
         job: _Load = t.payload  # type: ignore[assignment]
         self.store.complete_load(job.keys)
         if not t.ok:
-            self.gpu.free(request)  # the fresh blocks were never cached: nobody can have read them
+            self.free_table(request)  # the fresh blocks were never cached: nobody can have read them
             return 0
         self.gpu.cache_blocks(request, job.upto_tokens)
         return len(job.keys) * self.gpu.block_size

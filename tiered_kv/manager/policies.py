@@ -19,6 +19,7 @@ from its :class:`~tiered_kv.manager.pricing.Quote` when it is preempted.
 from __future__ import annotations
 
 import heapq
+import inspect
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import ClassVar
@@ -86,30 +87,45 @@ class VictimPolicy:
         """Optional cheap bound with ``lower_key(c) <= key(c)``; enables best-first ranking."""
         return None
 
+    def bound_keys(
+        self, candidates: Sequence[Candidate], mode: str
+    ) -> tuple[list[tuple], Callable[[int], tuple] | None] | None:
+        """Bounds for best-first ranking, or ``None`` (no bound: every candidate is keyed).
+
+        Returns the :meth:`lower_key` of every candidate, and optionally a
+        tighter bound of candidate ``i`` (at most its key, dearer than the
+        first), which a policy may offer where the first is loose.
+        """
+        if self.lower_key(candidates[0], mode) is None:
+            return None
+        bounds = [self.lower_key(c, mode) for c in candidates]
+        assert None not in bounds, "a policy's bound exists for every candidate or for none"
+        return bounds, None  # type: ignore[return-value]
+
     def iter_rank(self, candidates: Sequence[Candidate], mode: str) -> Iterator[Candidate]:
         """Candidates in preemption order, pricing only as many as the caller consumes (where the key allows)."""
         checks.choice("mode", mode, MODES)
-        if not candidates or self.lower_key(candidates[0], mode) is None:
+        bounded = self.bound_keys(candidates, mode) if candidates else None
+        if bounded is None:
             yield from sorted(candidates, key=lambda c: self.key(c, mode))
             return
-        # Best first: sorted by the cheap bound, exact keys on a heap; the heap's minimum is final
-        # once every unexamined candidate's bound is larger, since exact keys are at least their bounds.
-        bounds: list[tuple[tuple, int]] = []
-        for i, c in enumerate(candidates):
-            b = self.lower_key(c, mode)
-            assert b is not None  # a policy's bound exists for every candidate or for none
-            bounds.append((b, i))
-        bounded = sorted(bounds, key=lambda t: t[0])
-        heap: list[tuple[tuple, int]] = []
-        j = 0
-        while True:
-            while j < len(bounded) and (not heap or bounded[j][0] <= heap[0][0]):
-                i = bounded[j][1]
-                heapq.heappush(heap, (self.key(candidates[i], mode), i))
-                j += 1
-            if not heap:
-                return
-            yield candidates[heapq.heappop(heap)[1]]
+        lower, tighter = bounded
+        # Best first over levels: a candidate enters the heap with its cheap bound, which is replaced by
+        # its tighter bound (where the policy has one), then by its exact key, each time it comes to the
+        # top.  Every value is at most the candidate's exact key, so an exact key on top is no larger than
+        # any other candidate's: it is final.  Exact keys are unique (they end with the rank).
+        last = 1 if tighter is None else 2
+        heap = [(b, 0, i) for i, b in enumerate(lower)]
+        heapq.heapify(heap)
+        while heap:
+            _, level, i = heap[0]
+            if level == last:
+                heapq.heappop(heap)
+                yield candidates[i]
+            elif level + 1 == last:
+                heapq.heapreplace(heap, (self.key(candidates[i], mode), last, i))
+            else:
+                heapq.heapreplace(heap, (tighter(i), level + 1, i))  # type: ignore[misc]
 
     def rank(self, candidates: Sequence[Candidate], mode: str) -> list[Candidate]:
         return list(self.iter_rank(candidates, mode))
@@ -179,7 +195,44 @@ class CostAwarePolicy(VictimPolicy):
         swap = cm.swap_in_time(1, 0)
         rec = cm.recompute_time(c.num_computed_tokens) / n_max
         bound = swap if mode == "swap" else rec if mode == "recompute" else min(swap, rec)
-        return (bound * (1 - 1e-9),)  # rounding must never lift the bound above the exact key
+        return (bound * _ROUNDING,)
+
+    def bound_keys(
+        self, candidates: Sequence[Candidate], mode: str
+    ) -> tuple[list[tuple], Callable[[int], tuple] | None] | None:
+        """Bounds from the tier manager that prices the candidates, where it offers them; else :meth:`lower_key`.
+
+        A manager keeps each request's freeable blocks and their runs as its
+        tables change (:meth:`~tiered_kv.manager.TierManager.preemption_bounds`),
+        so its bound is far tighter than one from the table size, for a
+        fraction of a quote.  Its first bound looks nothing up in the CPU tier;
+        the tighter one looks up a few of the request's latest blocks.
+        """
+        if self.cost_model is None:
+            return None
+        bounds = _bounds_of(candidates)
+        if bounds is None:
+            return super().bound_keys(candidates, mode)
+        lower = [(b * _ROUNDING,) for b in bounds([c.request_id for c in candidates], mode, False)]
+        return lower, lambda i: (bounds([candidates[i].request_id], mode, True)[0] * _ROUNDING,)
+
+
+_ROUNDING = 1 - 1e-9  # a bound computed another way round must never exceed the exact key by a rounding
+
+
+def _bounds_of(candidates: Sequence[Candidate]) -> Callable[[list[Hashable], str, bool], list[float]] | None:
+    """The ``preemption_bounds`` of the manager whose ``quote`` prices every candidate, if there is one.
+
+    The price callable is the manager's bound ``quote`` (unwrapped, if a
+    wrapper such as :func:`functools.wraps` made one over it).
+    """
+    price = candidates[0]._price
+    for c in candidates:
+        if c._price != price:
+            return None
+    owner = getattr(inspect.unwrap(price, stop=lambda f: hasattr(f, "__self__")), "__self__", None)
+    bounds = getattr(owner, "preemption_bounds", None)
+    return bounds if callable(bounds) else None
 
 
 POLICIES: dict[str, type[VictimPolicy]] = {

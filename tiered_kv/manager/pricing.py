@@ -99,11 +99,17 @@ class Quote:
         return PreemptMode.RECOMPUTE, f"recompute is no dearer: {costs}"
 
     def cost(self, mode: str) -> float:
-        """Seconds lost under ``mode`` (inf when that mode is impossible)."""
-        chosen, _ = self.choose(mode)
-        if chosen is None:
-            return float("inf")
-        return self.swap_s if chosen is PreemptMode.SWAP else self.recompute_s
+        """Seconds lost under ``mode`` (inf when that mode is impossible).
+
+        The mode :meth:`choose` picks, without spelling out why: policies ask
+        this of every candidate they rank.
+        """
+        if mode == "recompute":
+            return self.recompute_s
+        if not (self.has_cpu_tier and self.cpu_has_room):
+            return float("inf") if mode == "swap" else self.recompute_s
+        swap_s = self.swap_out_s + self.swap_in_s
+        return swap_s if mode == "swap" or swap_s < self.recompute_s else self.recompute_s
 
 
 def count_runs(block_ids: list[int]) -> int:

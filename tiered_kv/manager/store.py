@@ -257,6 +257,11 @@ class BlockStore(abc.ABC):
     def contains(self, key: Key) -> bool:
         """Whether ``key`` is resident, ready or pending, without counting a query."""
 
+    def missing(self, keys: Sequence[Key]) -> list[int]:
+        """Indexes of the ``keys`` that are not resident (not even pending), in order, without counting queries."""
+        contains = self.contains
+        return [i for i, key in enumerate(keys) if not contains(key)]
+
     @abc.abstractmethod
     def is_ready(self, key: Key) -> bool:
         """Whether ``key`` is resident and loadable, without counting a query."""

@@ -13,7 +13,7 @@ cancelled copy leaves the request whole where it was.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from tiered_kv.core.block import KVCacheBlock
@@ -24,6 +24,12 @@ from tiered_kv.manager.pricing import Quote, price
 from tiered_kv.manager.store import BlockStore, Key, LoadStoreSpec
 from tiered_kv.manager.transfers import Transfer, Transfers
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind
+
+_MOVED_LOOKUPS = 4  # full blocks past the prompt that a swap-out's lower bound looks up
+
+
+def _ignore(blocks: list[KVCacheBlock]) -> None:
+    return
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,11 +70,23 @@ class _In:
 class Swapper:
     """Plans and settles swaps between one GPU manager and one store."""
 
-    def __init__(self, gpu: KVCacheManager, store: BlockStore, transfers: Transfers, caching: bool) -> None:
+    def __init__(
+        self,
+        gpu: KVCacheManager,
+        store: BlockStore,
+        transfers: Transfers,
+        caching: bool,
+        free_table: Callable[[Request], None] | None = None,
+        on_hits: Callable[[list[KVCacheBlock]], None] | None = None,
+    ) -> None:
         self.gpu = gpu
         self.store = store
         self.transfers = transfers
         self.caching = caching
+        #: Frees a request's GPU table (default ``gpu.free``); the manager's also reports the release.
+        self.free_table = free_table if free_table is not None else gpu.free
+        #: Told of the cached GPU blocks a resumed request takes again (they gained a holder).
+        self.on_hits: Callable[[list[KVCacheBlock]], None] = on_hits if on_hits is not None else _ignore
         self._generation = 0
 
     # --------------------------------------------------------------- keys
@@ -104,9 +122,43 @@ class Swapper:
         n_tok = request.num_computed_tokens
         freed = [b.block_id for b in table if b.ref_cnt == 1]
         keys, _ = self.kv_keys(request, n_tok)
-        moved = [table[i].block_id for i, k in enumerate(keys) if not self.store.contains(k)]
+        moved = [table[i].block_id for i in self.store.missing(keys)]
         room = self.store.room_for(keys) >= len(moved)
         return price(cost_model, request.request_id, n_tok, len(table), freed, moved, len(moved), room, True)
+
+    def moved_at_least(self, request: Request, num_tokens: int, lookups: bool = True) -> int:
+        """A lower bound of the blocks a swap-out of the request's first ``num_tokens`` would copy now.
+
+        Counts the partial tail (its private key is never in the store while
+        the request is on the GPU: :meth:`check_tails`) and, with caching,
+        those of the latest few full blocks past the prompt that the store
+        lacks (with ``lookups``): a subset of what :meth:`quote` counts.
+        Computes no hash.
+        """
+        bs = self.gpu.block_size
+        full = num_tokens // bs
+        n = 1 if num_tokens % bs else 0
+        if lookups and self.caching:
+            hashes = request.block_hashes
+            # The latest few only: a bound need not be exact, and older blocks are the likelier to be stored.
+            upto = min(full, len(hashes))
+            lo = max(request.num_prompt_tokens // bs, upto - _MOVED_LOOKUPS)
+            if lo < upto:
+                n += len(self.store.missing(hashes[lo:upto]))
+        return n
+
+    def check_tails(self, requests: Iterable[Request]) -> None:
+        """Assert what :meth:`moved_at_least` relies on: no tail key of a request on the GPU is in the store.
+
+        Private keys of a generation are stored only by that swap-out, and are
+        dropped when the request comes back or the swap-out is rolled back.
+        """
+        bs = self.gpu.block_size
+        for req in requests:
+            n = req.num_computed_tokens
+            if n % bs:
+                tail = PrivateKey(req.request_id, self._generation, n // bs)
+                assert not self.store.contains(tail), f"request {req.request_id!r}: its tail key is in the store"
 
     # ----------------------------------------------------------- swap-out
     def start_out(self, request: Request, num_tokens: int) -> Transfer | SwappedKV | None:
@@ -121,7 +173,7 @@ class Swapper:
         ready = [k for k in keys if store.contains(k) and store.is_ready(k)]
         if len(ready) == len(keys):
             spec = store.prepare_load(keys)
-            self.gpu.free(request)
+            self.free_table(request)
             return SwappedKV(keys, spec, num_tokens, [])
         prep = store.prepare_store(keys)
         if prep is None:
@@ -154,7 +206,7 @@ class Swapper:
                 store.remove([k for k in job.private if store.contains(k) and store.is_ready(k)])
             return None
         spec = store.prepare_load(job.keys)
-        self.gpu.free(job.request)
+        self.free_table(job.request)
         return SwappedKV(job.keys, spec, job.num_tokens, job.private)
 
     # ------------------------------------------------------------ swap-in
@@ -181,6 +233,8 @@ class Swapper:
         new = self.gpu.restore(request, hits, swapped.num_tokens)
         if new is None:
             return None
+        if hits:
+            self.on_hits(hits)
         n = len(hits)
         if not new:
             return hits
@@ -207,7 +261,7 @@ class Swapper:
         if t.ok:
             self.finish_in(request, job.swapped)
             return True
-        self.gpu.free(request)  # the fresh blocks were never cached: nobody can have read them
+        self.free_table(request)  # the fresh blocks were never cached: nobody can have read them
         return False
 
     def release(self, swapped: SwappedKV) -> None:

@@ -12,56 +12,52 @@ are fresh blocks nobody can hit until the copy lands, and a failed or
 cancelled copy leaves the KV where it was.  Not thread-safe: a second thread
 entering raises :class:`~tiered_kv.errors.ConcurrentUseError`.
 
-Tiers below the CPU store (disk, remote) attach with :meth:`TierManager.attach_tiers`;
-what they change is in :mod:`~tiered_kv.manager.lower_tiers`.
+This module holds the front's verbs that move a request between tiers
+(admit, allocate, quote, preempt, resume, drop, free).  The rest of the class
+comes from parts over one shared state (:mod:`.manager_state`): queries
+(:mod:`.inspection`), write-through stores (:mod:`.write_through`), settling
+of final copies (:mod:`.settling`, which ``poll`` and ``cancel`` live in) and
+tiers below the CPU store (disk, remote), attached with
+:meth:`TierManager.attach_tiers` (:mod:`.tier_attach`; what they change is in
+:mod:`~tiered_kv.manager.lower_tiers`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Mapping
-from dataclasses import dataclass
+from collections.abc import Hashable
 
 from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
-from tiered_kv.core.events import BlockRemoved
 from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
-from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError, UnknownRequestError
-from tiered_kv.manager.chain_api import StoreChain
-from tiered_kv.manager.cost_model import CostModel, TierLink
+from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError
+from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.guard import exclusive
-from tiered_kv.manager.invariants import check_ownership
+from tiered_kv.manager.inspection import Inspection
 from tiered_kv.manager.lower_tiers import LowerTiers
-from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
+from tiered_kv.manager.manager_state import Held
+from tiered_kv.manager.metrics import TierCounters
 from tiered_kv.manager.offload import Offloader
-from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
+from tiered_kv.manager.outcomes import Admission, Decision, Preemption, Resumption
+from tiered_kv.manager.preempt_bounds import PreemptBounds
 from tiered_kv.manager.pricing import Quote, checked_cost_model, price
+from tiered_kv.manager.settling import Settling
 from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, Residency
-from tiered_kv.manager.swap import SwappedKV, Swapper
+from tiered_kv.manager.swap import Swapper
+from tiered_kv.manager.tier_attach import TierAttach
 from tiered_kv.manager.transfers import Transfer, Transfers
+from tiered_kv.manager.write_through import WriteThrough
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.transfer.engine import CopyEngine
-from tiered_kv.transfer.plan import PlanKind, TransferHandle, TransferPlan
 
 OFFLOAD_POLICIES = ("none", "write_through", "on_evict")
+_GPU = Residency.GPU  # read per call of allocate: a module constant is much cheaper than the enum's attribute
 
 
-@dataclass(slots=True)
-class _Held:
-    """What the manager holds for one request."""
-
-    request: Request
-    residency: Residency
-    plan_id: int | None = None
-    swapped: SwappedKV | None = None  # the pinned CPU copy while swapped out or swapping in
-    num_stored_blocks: int = 0  # write-through progress (prompt blocks)
-    layered: bool = False  # a layer-wise swap-in: computing while its KV lands layer by layer
-
-
-class TierManager:
+class TierManager(Inspection, WriteThrough, Settling, TierAttach):
     """A prefix-cached GPU pool and a CPU store under one manager.
 
     Args:
@@ -130,109 +126,17 @@ class TierManager:
         self.store: CPUStore | None = CPUStore(num_cpu_blocks, store_policy) if num_cpu_blocks else None
         self.offload = offload if self.store is not None else "none"
         self.evict_window = evict_window
-        self.transfers = Transfers(copy_engine, self.gpu.block_pool)
-        self._swap = Swapper(self.gpu, self.store, self.transfers, enable_caching) if self.store else None
-        self._off = Offloader(self.gpu, self.store, self.transfers) if self.store else None
+        tr = self.transfers = Transfers(copy_engine, self.gpu.block_pool)
+        b = self._bounds = PreemptBounds(self.gpu, self.cost_model)  # told of every hold and release
+        tr.on_hold, tr.on_release = b.acquired, b.released
+        self._swap = Swapper(self.gpu, self.store, tr, enable_caching, b.free_table, b.acquired) if self.store else None
+        self._off = Offloader(self.gpu, self.store, tr, b.free_table) if self.store else None
         self.counters = TierCounters()
         self.decision_log: list[Decision] = []
         self._lower: LowerTiers | None = None
-        self._held: dict[Hashable, _Held] = {}
+        self._held: dict[Hashable, Held] = {}
         self._tick = 0
         self._lock = threading.RLock()
-
-    # ============================================================ inspection
-    def _get(self, request_id: Hashable, *allowed: Residency) -> _Held:
-        try:
-            h = self._held[request_id]
-        except KeyError:
-            raise UnknownRequestError(f"request {request_id!r} is not held by this tier manager") from None
-        except TypeError:
-            raise InvalidArgumentError(f"request_id must be a hashable id, got {checks.describe(request_id)}") from None
-        if allowed and h.residency not in allowed:
-            want = " or ".join(r.value for r in allowed)
-            raise InvalidTransitionError(f"request {request_id!r} is {h.residency.value}, not {want}")
-        return h
-
-    @exclusive
-    def residency(self, request_id: Hashable) -> Residency:
-        """Where the request's KV is (raises for a request the manager holds nothing for)."""
-        return self._get(request_id).residency
-
-    @exclusive
-    def holds(self, request_id: Hashable) -> bool:
-        """Whether the manager holds anything for the request."""
-        return checks.hashable("request_id", request_id) in self._held
-
-    @exclusive
-    def requests(self) -> list[Hashable]:
-        """Requests the manager holds KV for, in the order it took them."""
-        return list(self._held)
-
-    @exclusive
-    def gpu_block_ids(self, request_id: Hashable) -> list[int]:
-        """The request's GPU block table (append-only while it lives on the GPU)."""
-        return self.gpu.get_block_ids(self._get(request_id).request.request_id)
-
-    @exclusive
-    def cpu_block_ids(self, request_id: Hashable) -> list[int]:
-        """The CPU slots of a swapped request's KV, in block order (fixed while it is swapped)."""
-        s = self._get(request_id).swapped
-        return list(s.spec.block_ids) if s is not None else []
-
-    @exclusive
-    def num_free_gpu_blocks(self) -> int:
-        return self.gpu.block_pool.get_num_free_blocks()
-
-    @exclusive
-    def blocks_short(self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0) -> int:
-        """GPU blocks ``allocate`` would lack right now for these tokens (0 if it fits)."""
-        h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
-        req = (h if h.layered else self._get(request_id, Residency.GPU)).request
-        need = self.gpu.num_blocks_to_allocate(req, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
-        return max(need - self.gpu.block_pool.get_num_free_blocks(), 0)
-
-    @exclusive
-    def blocks_freed_on_completion(self) -> int:
-        """GPU blocks that copies in flight will free when they settle (swap-outs, saves before eviction).
-
-        A scheduler that cannot allocate counts these before it preempts anyone:
-        waiting for a copy is cheaper than a preemption.
-        """
-        return self.transfers.blocks_freed_on_completion(self.gpu)
-
-    @exclusive
-    def plans_in_flight(self) -> list[TransferPlan]:
-        return [t.plan for t in self.transfers]
-
-    @exclusive
-    def handle(self, plan_id: int) -> TransferHandle | None:
-        t = self.transfers.get(checks.count("plan_id", plan_id))
-        return t.handle if t is not None else None
-
-    # ============================================================ tiers below the CPU
-    @exclusive
-    def attach_tiers(
-        self, chain: StoreChain, engines: Mapping[str, CopyEngine], links: Mapping[str, TierLink] | None = None
-    ) -> None:
-        """Put tiers below the CPU store (disk, remote): prefixes load from them, blocks go down to them.
-
-        How: :mod:`~tiered_kv.manager.lower_tiers`.
-
-        ``chain``: a :class:`tiered_kv.tiers.TierChain` whose first tier is :attr:`store`;
-        ``engines``: medium -> its I/O engine; ``links``: medium -> :class:`~.cost_model.TierLink`
-        (default :data:`~.cost_model.DEFAULT_TIER_LINKS`).  Raises :class:`InvalidArgumentError`
-        (see :func:`~.chain_api.check_tiers`) or :class:`InvalidTransitionError`; nothing changes then.
-        """
-        if self._lower is not None:
-            raise InvalidTransitionError("tiers below the CPU are attached already")
-        if self.store is None or self._off is None or not self.caching:
-            raise InvalidArgumentError("tiers below the CPU need a CPU tier (num_cpu_blocks > 0) and prefix caching")
-        self._lower = LowerTiers(chain, engines, links, self.store, self.transfers, self._off, self.cost_model)
-
-    @property
-    def load_log(self) -> list[LoadDecision]:
-        """Why admission loaded (or recomputed) what it found below the CPU, one entry per such admission."""
-        return list(self._lower.decisions) if self._lower is not None else []
 
     # ============================================================ admission
     @exclusive
@@ -274,7 +178,9 @@ class TierManager:
             request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, num_external_computed_tokens=n_cpu
         )
         assert new is not None, "allocation was checked to fit"
-        h = self._held[rid] = _Held(request, Residency.GPU)
+        if gpu_hits:
+            self._bounds.acquired(gpu_hits)
+        h = self._held[rid] = Held(request, Residency.GPU)
         self.counters.count_lookup(request.num_tokens, n_gpu, n_cpu, self.store is not None)
         plan = None
         if keys:
@@ -308,7 +214,7 @@ class TierManager:
                 h = self._held.get(request_id)
             except TypeError:
                 h = None  # unhashable: _get names the problem
-            if h is None or h.residency is not Residency.GPU:
+            if h is None or h.residency is not _GPU:
                 h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
                 if not h.layered:
                     h = self._get(request_id, Residency.GPU)  # names the state it is in
@@ -316,66 +222,9 @@ class TierManager:
                 return self.gpu.allocate_slots(
                     h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=True
                 )
-            return self.gpu.allocate_slots(h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+            return self.gpu.allocate_slots(h.request, num_new_tokens, 0, None, num_lookahead_tokens)
         finally:
             lock.release()
-
-    @exclusive
-    def on_tokens_computed(self, request_id: Hashable) -> TransferPlan | None:
-        """The step that computed the request's tokens finished: with write-through, store its new full prompt blocks.
-
-        Only steps that computed prompt tokens can complete such blocks, so a
-        scheduler may skip the call on decode steps.
-        """
-        h = self._get(request_id, Residency.GPU)
-        if self.offload != "write_through":
-            return None
-        req = h.request
-        upto = min(req.num_computed_tokens, req.num_prompt_tokens) // self.block_size
-        if upto <= h.num_stored_blocks:
-            return None
-        assert self._off is not None
-        t = self._off.write_through(req, h.num_stored_blocks, upto)
-        h.num_stored_blocks = upto
-        return t.plan if t is not None else None
-
-    @exclusive
-    def start_layerwise_store(self, request_id: Hashable, num_tokens_after_step: int) -> TransferPlan | None:
-        """Write-through, layer by layer: store the prompt blocks the coming step completes as it computes them.
-
-        Called before the step.  The plan is gated: layer ``i`` is copied
-        only after the driver opens it (``open_layer``) once compute has
-        written it, so the store overlaps the rest of the forward pass, as
-        LMCache and SGLang's HiCache store a prefill.  ``None`` when nothing
-        is to be stored, write-through is off, or the copy engine cannot gate.
-        The later ``on_tokens_computed`` does not store these blocks again.
-        """
-        h = self._get(request_id, Residency.GPU)
-        req = h.request
-        checks.count("num_tokens_after_step", num_tokens_after_step, req.num_computed_tokens)
-        if num_tokens_after_step > len(req.all_token_ids):
-            raise InvalidArgumentError(
-                f"num_tokens_after_step {num_tokens_after_step} exceeds request {request_id!r}'s "
-                f"{len(req.all_token_ids)} tokens"
-            )
-        if self.offload != "write_through" or not self.num_layers:
-            return None
-        if not callable(getattr(self.transfers.engine, "open_layer", None)):
-            return None
-        upto = min(num_tokens_after_step, req.num_prompt_tokens) // self.block_size
-        if upto <= h.num_stored_blocks:
-            return None
-        assert self._off is not None
-        t = self._off.write_through(req, h.num_stored_blocks, upto, gated_layers=self.num_layers)
-        h.num_stored_blocks = upto
-        return t.plan if t is not None else None
-
-    @exclusive
-    def open_all_layers(self, handle: TransferHandle) -> None:
-        """Open every layer of a gated store the driver has not opened (its step's compute is done)."""
-        checks.instance("handle", handle, TransferHandle)
-        for layer in range(handle.num_opened, handle.plan.num_layers):
-            self.transfers.engine.open_layer(handle, layer)  # type: ignore[attr-defined]
 
     # =========================================================== preemption
     @exclusive
@@ -470,139 +319,9 @@ class TierManager:
             )
         self._forget(h)
 
-    def _forget(self, h: _Held) -> None:
-        self.gpu.free(h.request)
+    def _forget(self, h: Held) -> None:
+        self._bounds.free_table(h.request)
         if h.swapped is not None:
             assert self._swap is not None
             self._swap.release(h.swapped)
         del self._held[h.request.request_id]
-
-    # =============================================================== copies
-    @exclusive
-    def poll(self) -> list[Completion]:
-        """Settle every copy whose handle is final, in plan order; return what settled.
-
-        With on-evict offload it then tops up the saves before eviction: once
-        per scheduler step is often enough.
-        """
-        done = [c for t in self.transfers.finished() if (c := self._settle(t)) is not None]
-        self._drain_events()
-        if self.offload == "on_evict":
-            assert self._off is not None
-            self._off.save_window(self.evict_window)
-        if self._lower is not None:
-            self._lower.tick()
-        return done
-
-    @exclusive
-    def process_completion(self, handle: TransferHandle) -> Completion:
-        """Settle one final handle now (instead of at the next ``poll``).
-
-        Raises:
-            PlanError: unknown, settled already, not final, not the plan this
-                manager emitted under its id, or a move between tiers below the
-                GPU that ``poll`` settles.  Nothing changes.
-        """
-        c = self._settle(self.transfers.take(checks.instance("handle", handle, TransferHandle)))
-        assert c is not None, "only moves of the tiers below the GPU settle silently"
-        return c
-
-    @exclusive
-    def cancel(self, request_id: Hashable) -> bool:
-        """Cancel the request's copy in flight; True only if it was cancelled, and then it is rolled back now.
-
-        A copy the engine finished first is left for ``poll`` to settle as what
-        it is, and the answer is False.
-        """
-        h = self._get(request_id)
-        if h.plan_id is None:
-            return False
-        self.transfers.cancel(h.plan_id)
-        t = self.transfers.get(h.plan_id)
-        assert t is not None
-        if not t.cancelled:
-            return False
-        self._settle(self.transfers.take(t.handle))
-        return True
-
-    @exclusive
-    def cpu_room(self) -> int:
-        """CPU store blocks a store could take now: free ones plus unpinned cached ones it may evict."""
-        return self.store.num_free + self.store.num_evictable if self.store is not None else 0
-
-    @exclusive
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until some copy in flight is final (real engines); False if nothing is in flight."""
-        return self.transfers.wait(checks.timeout("timeout", timeout))
-
-    def _settle(self, t: Transfer) -> Completion | None:
-        if self._lower is not None and self._lower.owns(t):
-            return self._settle_staged(t)
-        kind, rid = t.plan.kind, t.plan.request_id
-        ok, n_tok = t.ok, 0
-        if kind is PlanKind.OFFLOAD:
-            self._off.settle_store(t)  # type: ignore[union-attr]
-        else:
-            h = self._held[rid]
-            h.plan_id, h.layered = None, False
-            swap = self._swap
-            if kind is PlanKind.ONBOARD:
-                n_tok = self._off.settle_load(h.request, t)  # type: ignore[union-attr]
-                new = Residency.GPU if ok else None  # a failed load leaves nothing: recompute from scratch
-            elif kind is PlanKind.SWAP_OUT:
-                h.swapped = swap.settle_out(t)  # type: ignore[union-attr]
-                ok = h.swapped is not None  # landed but the KV is not whole on the CPU: rolled back
-                new, h.num_stored_blocks = (Residency.CPU if ok else Residency.GPU), 0
-            else:
-                ok = swap.settle_in(h.request, t)  # type: ignore[union-attr]
-                n_tok, new = (h.swapped.num_tokens, Residency.GPU) if ok else (0, Residency.CPU)  # type: ignore[union-attr]
-                h.swapped = None if ok else h.swapped
-            if new is None:
-                del self._held[rid]
-            else:
-                h.residency = new
-        n = t.plan.num_blocks
-        self.counters.count_copy(kind, n, n * self.cost_model.bytes_per_block, ok, t.cancelled)
-        res = self._held[rid].residency if rid in self._held else None
-        return Completion(t.plan.plan_id, rid, kind, ok, n_tok, res, t.handle.num_bytes, t.handle.elapsed_s)
-
-    def _settle_staged(self, t: Transfer) -> Completion | None:
-        """A move of the chain settled; the last staging move of a load starts its GPU copy, or ends the load."""
-        out = self._lower.settle(t)  # type: ignore[union-attr]
-        if out is None:
-            return None
-        rid, gpu_copy = out
-        h = self._held[rid]
-        if gpu_copy is not None:
-            h.plan_id = gpu_copy.plan.plan_id
-            return None
-        h.residency = Residency.GPU  # nothing landed: the request computes all of it, keeping its GPU hits
-        return Completion(t.plan.plan_id, rid, PlanKind.ONBOARD, True, 0, Residency.GPU)
-
-    # ============================================================== metrics
-    @exclusive
-    def metrics(self) -> MetricsSnapshot:
-        """Counters (evictions as of the last ``poll``) and the gauges of this instant."""
-        residencies = [h.residency for h in self._held.values()]
-        t, low, pool = self.transfers, self._lower, self.gpu.block_pool
-        lower = (low.counters, low.lost_blocks) if low is not None else ({}, 0)
-        return snapshot(self.counters, t.submitted, len(t), pool, self.store, residencies, *lower)
-
-    def _drain_events(self) -> None:
-        """Evictions reach the manager as the pool's events, drained here (the pool never calls up)."""
-        for ev in self.gpu.take_events():
-            if isinstance(ev, BlockRemoved):
-                self.counters.gpu_blocks_evicted += len(ev.block_hashes)
-
-    @exclusive
-    def check_invariants(self) -> None:
-        """Assert ownership: every GPU ref is a table entry or a copy's hold; every store pin a swap's or a load's.
-
-        With tiers below the CPU: also every store's invariants, and that every
-        move of the chain in flight pins its source and keeps its destination pending.
-        """
-        swapped = {rid: h.swapped.keys if h.swapped is not None else None for rid, h in self._held.items()}
-        low = self._lower
-        check_ownership(self.gpu, self.store, self.transfers, swapped, low.cpu_pins() if low is not None else None)
-        if low is not None:
-            low.check_invariants()

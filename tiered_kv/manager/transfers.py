@@ -14,7 +14,7 @@ other failure, so a broken engine can never leave a request half-moved.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tiered_kv.core.block import KVCacheBlock
@@ -65,6 +65,10 @@ class Transfers:
         self._live: dict[int, Transfer] = {}
         self._next_id = 1
         self.submitted = 0
+        #: Told of the GPU blocks a copy holds when it starts, and gives back when it settles
+        #: (the manager keeps per-request counts of the blocks a request alone holds).
+        self.on_hold: Callable[[list[KVCacheBlock]], None] | None = None
+        self.on_release: Callable[[list[KVCacheBlock]], None] | None = None
 
     def plan(
         self,
@@ -110,6 +114,8 @@ class Transfers:
         holds = list(gpu_holds)
         if holds:
             self.gpu_pool.touch(holds)
+            if self.on_hold is not None:
+                self.on_hold(holds)
         try:
             handle = (self.engine if engine is None else engine).submit(plan)
             if not isinstance(handle, TransferHandle) or handle.plan != plan:
@@ -126,11 +132,14 @@ class Transfers:
         """Give back the GPU blocks a settled copy held."""
         if not t.gpu_holds:
             return
+        holds = t.gpu_holds
         if t.in_place:
-            self.gpu_pool.release_in_place(t.gpu_holds)
+            self.gpu_pool.release_in_place(holds)
         else:
-            self.gpu_pool.free_blocks(t.gpu_holds[::-1])
+            self.gpu_pool.free_blocks(holds[::-1])
         t.gpu_holds = []
+        if self.on_release is not None:
+            self.on_release(holds)
 
     def finished(self) -> list[Transfer]:
         """Take every transfer whose handle is final, in plan order."""
