@@ -321,6 +321,22 @@ class TierManager:
             lock.release()
 
     @exclusive
+    def quiet_tokens(self, request_id: Hashable) -> int:
+        """The most tokens (computed plus new) ``allocate`` serves for the request without changing anything.
+
+        ``allocate(request_id, n)`` with ``num_computed_tokens + n`` at most
+        this value returns ``[]`` and changes no state, so a scheduler may skip
+        it.  Valid until the request's KV leaves the GPU or a copy of it
+        settles (a layer-wise load landing starts caching), whichever is first.
+        Raises as ``allocate`` does for a request not on the GPU.
+        """
+        h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+        if h.residency is not Residency.GPU:
+            h = h if h.layered else self._get(request_id, Residency.GPU)  # names the state it is in
+            return self.gpu.num_quiet_tokens(request_id, delay_cache_blocks=True)
+        return self.gpu.num_quiet_tokens(request_id)
+
+    @exclusive
     def on_tokens_computed(self, request_id: Hashable) -> TransferPlan | None:
         """The step that computed the request's tokens finished: with write-through, store its new full prompt blocks.
 

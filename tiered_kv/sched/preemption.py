@@ -38,6 +38,7 @@ class Preempting:
     status: dict[Hashable, RequestStatus]
     _high_water: dict[Hashable, int]
     _loads: dict[Hashable, TransferHandle]
+    _quiet: dict[Hashable, int]
 
     def _make_room(
         self, req: Request, n: int, scheduled: set[Hashable], promised: int, out: SchedulerOutput
@@ -86,6 +87,7 @@ class Preempting:
         rid = req.request_id
         p = self.tm.preempt(rid, self.config.mode) or self.tm.preempt(rid, "auto")  # forced swap impossible
         assert p is not None
+        self._quiet.pop(rid, None)  # its blocks are released or leaving
         self.running.remove(req)
         req.num_preemptions += 1
         out.preempted.append((rid, p.mode))

@@ -73,6 +73,10 @@ class Scheduler(Preempting):
         self._aborting: set[Hashable] = set()
         self._loads: dict[Hashable, TransferHandle] = {}  # layer-wise swap-ins not settled yet
         self._arriving: set[Hashable] = set()  # LOADING or SWAPPING_IN: they hold a seat
+        # A cache of TierManager.quiet_tokens per running request: while its next step stays within it,
+        # allocate would change nothing and is skipped.  Dropped whenever the request's status changes
+        # or a copy of its KV settles (then the manager's answer may differ); absent means "ask".
+        self._quiet: dict[Hashable, int] = {}
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
         self.copies_landed = 0
@@ -153,6 +157,7 @@ class Scheduler(Preempting):
             if c.ok:
                 self.copy_seconds += c.elapsed_s
                 self.copies_landed += 1
+            self._quiet.pop(c.request_id, None)  # where its KV is, or whether it is cached, may have changed
             if c.kind is PlanKind.OFFLOAD or c.request_id not in self.requests:
                 continue
             req = self.requests[c.request_id]
@@ -199,31 +204,39 @@ class Scheduler(Preempting):
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         promised = self.tm.blocks_freed_on_completion()
-        scheduled: set[Hashable] = set()
         status, allocate, chunked = self.status, self.tm.allocate, self.config.chunked_prefill
         high_water, loads, batch = self._high_water, self._loads, out.scheduled
+        quiet, quiet_tokens = self._quiet, self.tm.quiet_tokens
+        skip = self.config.skip_quiet_allocations
+        running = S.RUNNING
         for req in list(self.running):
             if budget <= 0:
                 break
             rid = req.request_id
-            if status[rid] is not S.RUNNING:
+            if status[rid] is not running:
                 continue  # preempted earlier in this step
-            n = len(req.all_token_ids) - req.num_computed_tokens
+            c = req.num_computed_tokens
+            n = len(req.all_token_ids) - c
             if n > budget:
                 if not chunked:
                     continue
                 n = budget
-            # The common case, inline: it fits.  Otherwise make room (preempting) or wait.
-            if allocate(rid, n) is None:
-                fits, promised = self._make_room(req, n, scheduled, promised, out)
-                if not fits:
-                    continue
+            # Most decode steps: the token lands in a block it holds and fills none, so the
+            # manager would change nothing; skip the call.  Otherwise allocate, making room
+            # (preempting) or waiting when it does not fit.
+            if c + n > quiet.get(rid, 0):
+                if allocate(rid, n) is None:
+                    # The requests scheduled so far (the batch) are not victims this step.
+                    fits, promised = self._make_room(req, n, {r.request_id for r, _ in batch}, promised, out)
+                    if not fits:
+                        continue
+                if skip:
+                    quiet[rid] = quiet_tokens(rid)
             if high_water:
                 self._add(out, req, n)
             else:  # _add without recompute marks to check: the hot path of every running request
                 batch.append((req, n))
                 out.num_tokens += n
-            scheduled.add(rid)
             budget -= n
             if loads and rid in loads:
                 out.loads[rid] = loads[rid]
@@ -275,6 +288,7 @@ class Scheduler(Preempting):
             if res is None:
                 break
             self.swapped.popleft()
+            self._quiet.pop(rid, None)
             seats -= 1
             out.resumed.append(rid)
             if res.plan is not None and not layered:
@@ -322,6 +336,7 @@ class Scheduler(Preempting):
             self.waiting.remove(req)
             seats -= 1
             rid = req.request_id
+            self._quiet.pop(rid, None)
             req.num_computed_tokens = res.num_computed_tokens
             out.admitted.append(rid)
             mark = self._high_water.get(rid, 0)
@@ -399,6 +414,7 @@ class Scheduler(Preempting):
                 q.remove(req)
         del self.requests[rid]
         del self.status[rid]
+        self._quiet.pop(rid, None)
         self._high_water.pop(rid, None)
         self._loads.pop(rid, None)
         self._arriving.discard(rid)
