@@ -74,7 +74,7 @@ class Preempting:
             Candidate(
                 r.request_id,
                 rank,
-                len(self.tm.gpu_block_ids(r.request_id)),
+                self.tm.num_gpu_blocks(r.request_id),
                 r.num_computed_tokens,
                 r.num_prompt_tokens,
                 self.tm.quote,
