@@ -162,12 +162,12 @@ class BlockPool:
                 f"cannot get {num_blocks} free blocks from the {self.medium} pool: "
                 f"{fq.num_free_blocks} free of {self.num_blocks - 1}"
             )
-        # Only a consumer (events, on_evict) needs the evicted blocks listed: they are the
-        # hashed ones among those about to be handed out, which peek names in order.
+        # Only a consumer (events, on_evict) needs the evicted blocks listed: the hashed ones
+        # among those handed out, in hand-out order, noted by the loop as it evicts them.
         doomed: list[KVCacheBlock] | None = None
+        old_hashes: list[BlockHash] = []
         if self.enable_kv_cache_events or self.on_evict is not None:
-            doomed = [b for b in fq.peek(num_blocks) if b.block_hash is not None]
-            old_hashes = [b.block_hash for b in doomed]
+            doomed = []
         fq.num_free_blocks -= num_blocks
         pop = fq._dq.popleft
         cmap = self.cached_block_hash_to_block
@@ -181,6 +181,9 @@ class BlockPool:
                 block = pop()
             h = block.block_hash
             if h is not None:
+                if doomed is not None:
+                    doomed.append(block)
+                    old_hashes.append(h)
                 entry = cmap[h]
                 if entry is block:
                     del cmap[h]
@@ -195,7 +198,7 @@ class BlockPool:
         if skipped:
             fq._num_stale -= skipped
         if doomed:
-            removed = [h for h in old_hashes if h is not None]
+            removed = old_hashes
             if self.enable_kv_cache_events:
                 self.kv_event_queue.append(BlockRemoved(removed, self.medium))
             if self.on_evict is not None:
