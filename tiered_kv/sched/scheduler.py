@@ -205,16 +205,17 @@ class Scheduler(Preempting):
         budget = self.config.max_num_batched_tokens
         promised = self.tm.blocks_freed_on_completion()
         status, allocate, chunked = self.status, self.tm.allocate, self.config.chunked_prefill
-        high_water, loads, batch = self._high_water, self._loads, out.scheduled
+        high_water, loads, batch, preempted = self._high_water, self._loads, out.scheduled, out.preempted
         quiet, quiet_tokens = self._quiet, self.tm.quiet_tokens
         skip = self.config.skip_quiet_allocations
         running = S.RUNNING
+        plain = 0  # tokens batched without _add (which counts its own)
         for req in list(self.running):
             if budget <= 0:
                 break
             rid = req.request_id
-            if status[rid] is not running:
-                continue  # preempted earlier in this step
+            if preempted and status[rid] is not running:
+                continue  # preempted earlier in this step (running holds RUNNING requests only)
             c = req.num_computed_tokens
             n = len(req.all_token_ids) - c
             if n > budget:
@@ -236,10 +237,11 @@ class Scheduler(Preempting):
                 self._add(out, req, n)
             else:  # _add without recompute marks to check: the hot path of every running request
                 batch.append((req, n))
-                out.num_tokens += n
+                plain += n
             budget -= n
             if loads and rid in loads:
                 out.loads[rid] = loads[rid]
+        out.num_tokens += plain
         if not out.preempted:
             budget = self._resume(out, budget)
         if not self.swapped and not out.preempted:

@@ -243,24 +243,27 @@ class Simulator:
                     rec.admitted = now
             new_early = link.take_layerwise() if layerwise else []
             if out.num_tokens:
-                attn = 0.0
+                attn = 0  # exact in ints; the float of the sum is what a float accumulator gave (< 2**53)
                 kv = 0
                 sampled: dict = {}
+                firsts: list[int] = []  # requests sampling their first output token (only they can set first_token)
                 for req, n in out.scheduled:
                     rid = req.request_id
                     c = req.num_computed_tokens
                     e = c + n
-                    attn += e * e - c * c
+                    attn += n * (c + e)  # = e * e - c * c
                     kv += e
-                    tokens = req.all_token_ids  # the Request's own list: len() is num_tokens, without a property
-                    if e == len(tokens):
-                        sampled[rid] = out_ids[rid][len(tokens) - req.num_prompt_tokens]  # type: ignore[index]
+                    if e == len(req.all_token_ids):  # the Request's own list: len() is num_tokens, without a property
+                        k = e - req.num_prompt_tokens
+                        sampled[rid] = out_ids[rid][k]  # type: ignore[index]
+                        if not k:
+                            firsts.append(rid)
                     mark = high[rid]  # type: ignore[index]
                     if mark > c:
                         by_rid[rid].recomputed_tokens += (e if e < mark else mark) - c  # type: ignore[index, union-attr]
                     if e > mark:
                         high[rid] = e  # type: ignore[index]
-                dt = compute.step_time(out.num_tokens, attn, kv, len(out.scheduled), len(sampled))
+                dt = compute.step_time(out.num_tokens, float(attn), kv, len(out.scheduled), len(sampled))
                 if out.recomputed_tokens:
                     recompute_s += dt * out.recomputed_tokens / out.num_tokens
                 start = now
@@ -281,7 +284,7 @@ class Simulator:
                         Step(n_steps, now, start, end, dt, len(out.scheduled), out.num_tokens,
                              len(out.preempted), len(out.resumed))
                     )  # fmt: skip
-                for rid in sampled:
+                for rid in firsts:
                     rec = by_rid[rid]  # type: ignore[assignment]
                     if rec.first_token < 0:
                         rec.first_token = end
