@@ -102,6 +102,10 @@ class Simulator:
         usage_points: About how many memory-usage samples the results keep.
         keep_timeline: Keep every step and copy (:attr:`steps`, ``engine.jobs``),
             for ``--trace``.
+        fast_path: Let the scheduler skip the manager calls that would change
+            nothing (``SchedulerConfig.skip_quiet_allocations``).  Decisions and
+            results are the same either way; ``False`` runs the plain path that
+            the fast one is checked against.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class Simulator:
         progress: Callable[[int, int, float], None] | None = None,
         usage_points: int = 200,
         keep_timeline: bool = False,
+        fast_path: bool = True,
     ) -> None:
         self.setup = setup
         self.workload = workload
@@ -143,6 +148,7 @@ class Simulator:
                 setup.chunked_prefill,
                 policy=setup.policy,
                 mode=setup.mode,
+                skip_quiet_allocations=fast_path,
             ),
         )
 
