@@ -318,6 +318,10 @@ class Simulator:
                 if new_early:
                     continue  # a layerwise copy was ordered: its request can run in the next step, now
                 nt = loop.peek_time()
+                if nt is None and (out.resumed or out.admitted):
+                    # A request came back (or in) after this step's batch was picked, its KV on the GPU
+                    # already: with nothing else to wait for, it runs in the next step, now.
+                    continue
                 if nt is None:
                     raise SimulationError(
                         f"run {self.setup.name!r}: no progress at t={loop.now:.3f}s with {sched.num_unfinished} "
