@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from tierutil import NS, block_bytes, host, plan
 
-from tiered_kv.core.hashing import BlockHasher
+from tiered_kv.core import BlockHasher
 from tiered_kv.core.request import Request
 from tiered_kv.tiers.redis_io import RedisIO
 from tiered_kv.tiers.redis_store import RedisStore, connect
