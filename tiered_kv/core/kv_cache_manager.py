@@ -184,9 +184,15 @@ class KVCacheManager:
             else:
                 new_blocks = []
             if self.enable_caching and not delay_cache_blocks:
+                # cache_blocks, inlined: its arguments are known good here (a step filling a block).
                 n_tok = len(request.all_token_ids)
-                if (total if total < n_tok else n_tok) // bs > self.num_cached_block[rid]:
-                    self.cache_blocks(request, total if total < n_tok else n_tok)
+                num_full = (total if total < n_tok else n_tok) // bs
+                n_cached = self.num_cached_block[rid]
+                if num_full > n_cached:
+                    if len(request.block_hashes) < num_full:
+                        self.hasher.update(request)
+                    self.block_pool.cache_full_blocks(request, req_blocks, n_cached, num_full, bs)
+                    self.num_cached_block[rid] = num_full
             return new_blocks
 
         return self._allocate_general(

@@ -49,6 +49,9 @@ from tiered_kv.transfer.plan import PlanKind, TransferHandle, TransferPlan
 OFFLOAD_POLICIES = ("none", "write_through", "on_evict")
 
 
+_ON_GPU = Residency.GPU  # a module constant: an enum member read through its class costs a lookup
+
+
 @dataclass(slots=True)
 class _Held:
     """What the manager holds for one request."""
@@ -325,7 +328,6 @@ class TierManager:
         finally:
             lock.release()
 
-    @exclusive
     def quiet_tokens(self, request_id: Hashable) -> int:
         """The most tokens (computed plus new) ``allocate`` serves for the request without changing anything.
 
@@ -335,11 +337,26 @@ class TierManager:
         settles (a layer-wise load landing starts caching), whichever is first.
         Raises as ``allocate`` does for a request not on the GPU.
         """
-        h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
-        if h.residency is not Residency.GPU:
-            h = h if h.layered else self._get(request_id, Residency.GPU)  # names the state it is in
-            return self.gpu.num_quiet_tokens(request_id, delay_cache_blocks=True)
-        return self.gpu.num_quiet_tokens(request_id)
+        # Asked after most real allocations: the entry guard and the lookup are inlined, as in allocate.
+        lock = self._lock
+        if not lock.acquire(False):
+            raise ConcurrentUseError(
+                "TierManager.quiet_tokens was called while another thread is inside it; "
+                "a TierManager is single-threaded: drive it from one thread at a time"
+            )
+        try:
+            try:
+                h = self._held.get(request_id)
+            except TypeError:
+                h = None  # unhashable: _get names the problem
+            if h is None or h.residency is not _ON_GPU:
+                h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+                if not h.layered:
+                    h = self._get(request_id, Residency.GPU)  # names the state it is in
+                return self.gpu.num_quiet_tokens(request_id, delay_cache_blocks=True)
+            return self.gpu.num_quiet_tokens(request_id)
+        finally:
+            lock.release()
 
     @exclusive
     def on_tokens_computed(self, request_id: Hashable) -> TransferPlan | None:
