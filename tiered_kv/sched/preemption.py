@@ -70,17 +70,11 @@ class Preempting:
             order = list(self.running)
         else:
             order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
+        running, num_blocks, quote = S.RUNNING, self.tm.num_gpu_blocks, self.tm.quote
         return [
-            Candidate(
-                r.request_id,
-                rank,
-                self.tm.num_gpu_blocks(r.request_id),
-                r.num_computed_tokens,
-                r.num_prompt_tokens,
-                self.tm.quote,
-            )
+            Candidate(rid, rank, num_blocks(rid), r.num_computed_tokens, r.num_prompt_tokens, quote)
             for rank, r in enumerate(order)
-            if r.request_id not in exclude and status[r.request_id] is S.RUNNING and r.request_id not in loads
+            if (rid := r.request_id) not in exclude and status[rid] is running and rid not in loads
         ]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> Preemption:

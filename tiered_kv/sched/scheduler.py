@@ -209,7 +209,7 @@ class Scheduler(Preempting):
         quiet, quiet_tokens = self._quiet, self.tm.quiet_tokens
         skip = self.config.skip_quiet_allocations
         running = S.RUNNING
-        plain = 0  # tokens batched without _add (which counts its own)
+        plain = 0  # tokens batched by the loop (_add, used after it, counts its own)
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -233,11 +233,15 @@ class Scheduler(Preempting):
                         continue
                 if skip:
                     quiet[rid] = quiet_tokens(rid)
-            if high_water:
-                self._add(out, req, n)
-            else:  # _add without recompute marks to check: the hot path of every running request
-                batch.append((req, n))
-                plain += n
+            # _add, inlined: the hot path of every running request.
+            batch.append((req, n))
+            plain += n
+            if high_water:  # only recompute victims have a mark, until they pass it again
+                mark = high_water.get(rid, 0)
+                if mark > c:
+                    out.recomputed_tokens += (c + n if c + n < mark else mark) - c
+                    if c + n >= mark:
+                        del high_water[rid]
             budget -= n
             if loads and rid in loads:
                 out.loads[rid] = loads[rid]
