@@ -17,7 +17,10 @@ admitted requests:
    will free are counted first (waiting beats preempting); then victims are
    chosen by the policy among running requests not yet scheduled this step and
    preempted through the manager, each by the mode its quote chooses.  If no
-   choice frees enough, the request preempts itself, as in vLLM.
+   choice frees enough, the request preempts itself, as in vLLM.  A step the
+   manager would serve without changing anything (a decode token landing in
+   a block the request holds, filling none: ``TierManager.quiet_tokens``)
+   skips the manager call; that is most decode steps.
 3. Swapped requests resume, oldest first, unless this step preempted.  With
    ``layerwise`` a resumed request is scheduled in the same step, computing
    while its KV lands layer by layer (``SchedulerOutput.loads``).
@@ -209,7 +212,7 @@ class Scheduler(Preempting):
         quiet, quiet_tokens = self._quiet, self.tm.quiet_tokens
         skip = self.config.skip_quiet_allocations
         running = S.RUNNING
-        plain = 0  # tokens batched by the loop (_add, used after it, counts its own)
+        plain = 0  # the tokens this loop batches, added to out.num_tokens once, after it
         for req in list(self.running):
             if budget <= 0:
                 break
