@@ -9,9 +9,10 @@ in worker processes.
 
 ``--digest`` instead records every run's whole event trace and prints its SHA-256: two
 versions of the simulator that print the same digests made the same decisions, event for
-event.
+event.  ``--plain`` runs the scheduler's plain path (every allocation asked of the manager):
+its digests must equal the default's.
 
-Usage: python benchmarks/bench_sim.py [--config NAME] [--requests N] [--workers 2] [--digest]
+Usage: python benchmarks/bench_sim.py [--config NAME] [--requests N] [--workers 2] [--digest] [--plain]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import hashlib
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from multiprocessing import get_context
 from typing import Any
 
@@ -42,11 +44,11 @@ def _cells(config: str | None, requests: int | None) -> list[tuple[str, dict[str
     return out
 
 
-def run_one(cell: tuple[str, dict[str, Any], int], digest: bool = False) -> dict[str, Any]:
+def run_one(cell: tuple[str, dict[str, Any], int], digest: bool = False, plain: bool = False) -> dict[str, Any]:
     regime, cfg, i = cell
     st = setup(cfg, i)
     workload = generate(cfg["workload"], cfg["seed"])
-    sim = Simulator(st, workload, record_trace=digest)
+    sim = Simulator(st, workload, record_trace=digest, fast_path=not plain)
     sched = sim.scheduler
     spent = [0.0]
     schedule, update = sched.schedule, sched.update
@@ -65,14 +67,15 @@ def run_one(cell: tuple[str, dict[str, Any], int], digest: bool = False) -> dict
 
     if not digest:
         sched.schedule, sched.update = timed_schedule, timed_update  # type: ignore[method-assign]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = sim.run()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     row = {
         "regime": regime,
         "run": st.name,
         "requests": len(workload),
         "wall_s": wall,
+        "cpu_s": cpu,
         "sched_s": spent[0],
         "steps": res["steps"],
         "sim_s": res["makespan_s"],
@@ -88,38 +91,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="requests per regime (default: the config's)")
     ap.add_argument("--workers", type=int, default=1, help="also run the whole experiment in N processes")
     ap.add_argument("--digest", action="store_true", help="print each run's event-trace SHA-256 instead")
+    ap.add_argument("--plain", action="store_true", help="the scheduler's plain path (no skipped allocations)")
     args = ap.parse_args(argv)
     cells = _cells(args.config, args.requests)
     if args.digest:
         for cell in cells:
-            r = run_one(cell, digest=True)
+            r = run_one(cell, digest=True, plain=args.plain)
             print(f"{r['regime']:16} {r['run']:22} {r['digest']}")
         return 0
     print(
-        f"{'regime':16} {'run':22} {'requests':>8} {'wall s':>7} {'req/wall-s':>10} {'steps':>6} "
-        f"{'sched+mgr s':>11} {'share':>6}"
+        f"{'regime':16} {'run':22} {'requests':>8} {'wall s':>7} {'req/wall-s':>10} {'cpu s':>6} "
+        f"{'req/cpu-s':>9} {'steps':>6} {'sched+mgr s':>11} {'share':>6}"
     )
     total_req = 0
-    t_all = time.perf_counter()
+    t_all, c_all = time.perf_counter(), time.process_time()
     sched_all = 0.0
     for cell in cells:
-        r = run_one(cell)
+        r = run_one(cell, plain=args.plain)
         total_req += r["requests"]
         sched_all += r["sched_s"]
         print(
             f"{r['regime']:16} {r['run']:22} {r['requests']:8d} {r['wall_s']:7.2f} "
-            f"{r['requests'] / r['wall_s']:10.0f} {r['steps']:6d} {r['sched_s']:11.2f} "
-            f"{r['sched_s'] / r['wall_s']:6.0%}"
+            f"{r['requests'] / r['wall_s']:10.0f} {r['cpu_s']:6.2f} {r['requests'] / r['cpu_s']:9.0f} "
+            f"{r['steps']:6d} {r['sched_s']:11.2f} {r['sched_s'] / r['wall_s']:6.0%}"
         )
-    serial = time.perf_counter() - t_all
+    serial, serial_cpu = time.perf_counter() - t_all, time.process_time() - c_all
     print(
         f"whole experiment, 1 process: {total_req} requests in {serial:.1f} s = {total_req / serial:.0f} "
-        f"requests/wall-s; Scheduler+TierManager {sched_all / serial:.0%} of it"
+        f"requests/wall-s ({total_req / serial_cpu:.0f} per CPU second); Scheduler+TierManager "
+        f"{sched_all / serial:.0%} of it"
     )
     if args.workers > 1:
         t0 = time.perf_counter()
         with ProcessPoolExecutor(max_workers=args.workers, mp_context=get_context("spawn")) as pool:
-            list(pool.map(run_one, cells))
+            list(pool.map(partial(run_one, plain=args.plain), cells))
         par = time.perf_counter() - t0
         print(
             f"whole experiment, {args.workers} processes: {total_req / par:.0f} requests/wall-s "

@@ -35,7 +35,7 @@ from tiered_kv import checks
 from tiered_kv.core import pool_checks as pc
 from tiered_kv.core.block import BlockHash, KVCacheBlock
 from tiered_kv.core.compile_hints import mypyc_attr
-from tiered_kv.core.events import AllBlocksCleared, BlockRemoved, KVCacheEvent
+from tiered_kv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from tiered_kv.core.free_queue import FreeBlockQueue
 from tiered_kv.core.pool_cache import CacheMap, cache_one, cache_range, check_state, num_cached_blocks, stored_event
 from tiered_kv.core.request import Request
@@ -162,12 +162,12 @@ class BlockPool:
                 f"cannot get {num_blocks} free blocks from the {self.medium} pool: "
                 f"{fq.num_free_blocks} free of {self.num_blocks - 1}"
             )
-        # Only a consumer (events, on_evict) needs the evicted blocks listed: they are the
-        # hashed ones among those about to be handed out, which peek names in order.
+        # Only a consumer (events, on_evict) needs the evicted blocks listed: the hashed ones
+        # among those handed out, in hand-out order, noted by the loop as it evicts them.
         doomed: list[KVCacheBlock] | None = None
+        old_hashes: list[BlockHash] = []
         if self.enable_kv_cache_events or self.on_evict is not None:
-            doomed = [b for b in fq.peek(num_blocks) if b.block_hash is not None]
-            old_hashes = [b.block_hash for b in doomed]
+            doomed = []
         fq.num_free_blocks -= num_blocks
         pop = fq._dq.popleft
         cmap = self.cached_block_hash_to_block
@@ -181,6 +181,9 @@ class BlockPool:
                 block = pop()
             h = block.block_hash
             if h is not None:
+                if doomed is not None:
+                    doomed.append(block)
+                    old_hashes.append(h)
                 entry = cmap[h]
                 if entry is block:
                     del cmap[h]
@@ -195,7 +198,7 @@ class BlockPool:
         if skipped:
             fq._num_stale -= skipped
         if doomed:
-            removed = [h for h in old_hashes if h is not None]
+            removed = old_hashes
             if self.enable_kv_cache_events:
                 self.kv_event_queue.append(BlockRemoved(removed, self.medium))
             if self.on_evict is not None:
@@ -363,12 +366,24 @@ class BlockPool:
             and num_cached_blocks < len(request.block_hashes)
             and type(block_size) is int
             and block_size > 0
-            and not self.enable_kv_cache_events
         ):
             # One block, filled by a decode step: the common call, entered without the general
             # path's calls.  Anything unusual about the block falls through to that path.
-            h = request.block_hashes[num_cached_blocks]
+            hashes = request.block_hashes
+            h = hashes[num_cached_blocks]
             if cache_one(self.blocks, self.cached_block_hash_to_block, blocks[num_cached_blocks], h):
+                if self.enable_kv_cache_events:  # the event the general path queues for this one block
+                    start = num_cached_blocks * block_size
+                    self.kv_event_queue.append(
+                        BlockStored(
+                            block_hashes=[h],
+                            parent_block_hash=hashes[num_cached_blocks - 1] if num_cached_blocks else None,
+                            token_ids=request.all_token_ids[start : start + block_size],
+                            block_size=block_size,
+                            lora_name=request.lora_name,
+                            medium=self.medium,
+                        )
+                    )
                 return
         args = pc.check_cache_args(request, blocks, num_cached_blocks, num_full_blocks, block_size)
         if args is None:

@@ -184,9 +184,15 @@ class KVCacheManager:
             else:
                 new_blocks = []
             if self.enable_caching and not delay_cache_blocks:
+                # cache_blocks, inlined: its arguments are known good here (a step filling a block).
                 n_tok = len(request.all_token_ids)
-                if (total if total < n_tok else n_tok) // bs > self.num_cached_block[rid]:
-                    self.cache_blocks(request, total if total < n_tok else n_tok)
+                num_full = (total if total < n_tok else n_tok) // bs
+                n_cached = self.num_cached_block[rid]
+                if num_full > n_cached:
+                    if len(request.block_hashes) < num_full:
+                        self.hasher.update(request)
+                    self.block_pool.cache_full_blocks(request, req_blocks, n_cached, num_full, bs)
+                    self.num_cached_block[rid] = num_full
             return new_blocks
 
         return self._allocate_general(
@@ -202,6 +208,36 @@ class KVCacheManager:
             ),
             checks.count("num_external_computed_tokens", num_external_computed_tokens),
         )
+
+    def num_quiet_tokens(self, request_id: Hashable, delay_cache_blocks: object = False) -> int:
+        """The most tokens a request can reach through ``allocate_slots`` with nothing changing.
+
+        For every later call ``allocate_slots(request, n)`` (no prefix hits, no
+        lookahead, no external tokens, ``delay_cache_blocks`` as given here)
+        with ``request.num_computed_tokens + n`` at most this value, the call
+        allocates no block, caches no block and returns ``[]``: the pool and
+        the table stay exactly as they are.  A scheduler may skip such a call
+        (a decode token that lands in a block the request already holds and
+        does not fill it), which is most decode steps.
+
+        The value stays valid while the request's table only grows and its
+        cached count only rises, i.e. until it is freed; ``0`` for a request
+        with no table, or with ``max_model_len`` set (its cap is applied per
+        call, so no call is skipped).
+        """
+        checks.hashable("request_id", request_id)
+        delay = checks.flag("delay_cache_blocks", delay_cache_blocks)
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks or self.max_model_len is not None:
+            return 0
+        bs = self.block_size
+        room = len(blocks) * bs
+        if self.enable_caching and not delay:
+            # One token short of filling the next uncached block: filling it caches it.
+            unfilled = (self.num_cached_block[request_id] + 1) * bs - 1
+            if unfilled < room:
+                return unfilled
+        return room
 
     def _allocate_general(
         self,

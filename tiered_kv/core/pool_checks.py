@@ -110,8 +110,12 @@ def is_own(block: object, own: list[KVCacheBlock]) -> bool:
 
 def first_bad(blocks: Sequence[object], own: list[KVCacheBlock]) -> int:
     """Index of the first item that is not a block of ``own``; ``len(blocks)`` if none."""
-    for i, b in enumerate(blocks):
-        if not is_own(b, own):
+    n = len(own)
+    for i, b in enumerate(blocks):  # is_own, inlined: this runs once per prefix hit of every admission
+        if not isinstance(b, KVCacheBlock):
+            return i
+        j = b.block_id
+        if not (0 <= j < n and own[j] is b):
             return i
     return len(blocks)
 

@@ -42,6 +42,11 @@ class Inspection(ManagerState):
         return self.gpu.get_block_ids(self._get(request_id).request.request_id)
 
     @exclusive
+    def num_gpu_blocks(self, request_id: Hashable) -> int:
+        """How many blocks the request's GPU block table holds (``len(gpu_block_ids(...))`` without the list)."""
+        return len(self.gpu.get_blocks(self._get(request_id).request.request_id))
+
+    @exclusive
     def cpu_block_ids(self, request_id: Hashable) -> list[int]:
         """The CPU slots of a swapped request's KV, in block order (fixed while it is swapped)."""
         s = self._get(request_id).swapped

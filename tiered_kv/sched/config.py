@@ -27,6 +27,11 @@ class SchedulerConfig:
             the step their load starts: :attr:`SchedulerOutput.loads` names the
             handle whose layer ``i`` a driver must wait for before layer ``i``
             of that request (the load overlaps the layers before it).
+        skip_quiet_allocations: Skip the manager's ``allocate`` for a step it
+            would serve without changing anything (``TierManager.quiet_tokens``:
+            a decode token that lands in a block the request holds and fills
+            none).  Decisions are the same either way; ``False`` calls it for
+            every scheduled request, the plain path the fast one is checked against.
     """
 
     max_num_batched_tokens: int = 8192
@@ -36,6 +41,7 @@ class SchedulerConfig:
     mode: str = "auto"
     scheduling: str = "fcfs"
     layerwise: bool = False
+    skip_quiet_allocations: bool = True
 
     def __post_init__(self) -> None:
         checks.count("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -45,3 +51,4 @@ class SchedulerConfig:
         checks.choice("mode", self.mode, MODES)
         checks.choice("scheduling", self.scheduling, ("fcfs", "priority"))
         checks.flag("layerwise", self.layerwise)
+        checks.flag("skip_quiet_allocations", self.skip_quiet_allocations)

@@ -38,6 +38,7 @@ class Preempting:
     status: dict[Hashable, RequestStatus]
     _high_water: dict[Hashable, int]
     _loads: dict[Hashable, TransferHandle]
+    _quiet: dict[Hashable, int]
 
     def _make_room(
         self, req: Request, n: int, scheduled: set[Hashable], promised: int, out: SchedulerOutput
@@ -69,23 +70,18 @@ class Preempting:
             order = list(self.running)
         else:
             order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
+        running, num_blocks, quote = S.RUNNING, self.tm.num_gpu_blocks, self.tm.quote
         return [
-            Candidate(
-                r.request_id,
-                rank,
-                len(self.tm.gpu_block_ids(r.request_id)),
-                r.num_computed_tokens,
-                r.num_prompt_tokens,
-                self.tm.quote,
-            )
+            Candidate(rid, rank, num_blocks(rid), r.num_computed_tokens, r.num_prompt_tokens, quote)
             for rank, r in enumerate(order)
-            if r.request_id not in exclude and status[r.request_id] is S.RUNNING and r.request_id not in loads
+            if (rid := r.request_id) not in exclude and status[rid] is running and rid not in loads
         ]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> Preemption:
         rid = req.request_id
         p = self.tm.preempt(rid, self.config.mode) or self.tm.preempt(rid, "auto")  # forced swap impossible
         assert p is not None
+        self._quiet.pop(rid, None)  # its blocks are released or leaving
         self.running.remove(req)
         req.num_preemptions += 1
         out.preempted.append((rid, p.mode))

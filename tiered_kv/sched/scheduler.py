@@ -17,7 +17,10 @@ admitted requests:
    will free are counted first (waiting beats preempting); then victims are
    chosen by the policy among running requests not yet scheduled this step and
    preempted through the manager, each by the mode its quote chooses.  If no
-   choice frees enough, the request preempts itself, as in vLLM.
+   choice frees enough, the request preempts itself, as in vLLM.  A step the
+   manager would serve without changing anything (a decode token landing in
+   a block the request holds, filling none: ``TierManager.quiet_tokens``)
+   skips the manager call; that is most decode steps.
 3. Swapped requests resume, oldest first, unless this step preempted.  With
    ``layerwise`` a resumed request is scheduled in the same step, computing
    while its KV lands layer by layer (``SchedulerOutput.loads``).
@@ -73,6 +76,10 @@ class Scheduler(Preempting):
         self._aborting: set[Hashable] = set()
         self._loads: dict[Hashable, TransferHandle] = {}  # layer-wise swap-ins not settled yet
         self._arriving: set[Hashable] = set()  # LOADING or SWAPPING_IN: they hold a seat
+        # A cache of TierManager.quiet_tokens per running request: while its next step stays within it,
+        # allocate would change nothing and is skipped.  Dropped whenever the request's status changes
+        # or a copy of its KV settles (then the manager's answer may differ); absent means "ask".
+        self._quiet: dict[Hashable, int] = {}
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
         self.copies_landed = 0
@@ -153,6 +160,7 @@ class Scheduler(Preempting):
             if c.ok:
                 self.copy_seconds += c.elapsed_s
                 self.copies_landed += 1
+            self._quiet.pop(c.request_id, None)  # where its KV is, or whether it is cached, may have changed
             if c.kind is PlanKind.OFFLOAD or c.request_id not in self.requests:
                 continue
             req = self.requests[c.request_id]
@@ -199,34 +207,48 @@ class Scheduler(Preempting):
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         promised = self.tm.blocks_freed_on_completion()
-        scheduled: set[Hashable] = set()
         status, allocate, chunked = self.status, self.tm.allocate, self.config.chunked_prefill
-        high_water, loads, batch = self._high_water, self._loads, out.scheduled
+        high_water, loads, batch, preempted = self._high_water, self._loads, out.scheduled, out.preempted
+        quiet, quiet_tokens = self._quiet, self.tm.quiet_tokens
+        skip = self.config.skip_quiet_allocations
+        running = S.RUNNING
+        plain = 0  # the tokens this loop batches, added to out.num_tokens once, after it
         for req in list(self.running):
             if budget <= 0:
                 break
             rid = req.request_id
-            if status[rid] is not S.RUNNING:
-                continue  # preempted earlier in this step
-            n = len(req.all_token_ids) - req.num_computed_tokens
+            if preempted and status[rid] is not running:
+                continue  # preempted earlier in this step (running holds RUNNING requests only)
+            c = req.num_computed_tokens
+            n = len(req.all_token_ids) - c
             if n > budget:
                 if not chunked:
                     continue
                 n = budget
-            # The common case, inline: it fits.  Otherwise make room (preempting) or wait.
-            if allocate(rid, n) is None:
-                fits, promised = self._make_room(req, n, scheduled, promised, out)
-                if not fits:
-                    continue
-            if high_water:
-                self._add(out, req, n)
-            else:  # _add without recompute marks to check: the hot path of every running request
-                batch.append((req, n))
-                out.num_tokens += n
-            scheduled.add(rid)
+            # Most decode steps: the token lands in a block it holds and fills none, so the
+            # manager would change nothing; skip the call.  Otherwise allocate, making room
+            # (preempting) or waiting when it does not fit.
+            if c + n > quiet.get(rid, 0):
+                if allocate(rid, n) is None:
+                    # The requests scheduled so far (the batch) are not victims this step.
+                    fits, promised = self._make_room(req, n, {r.request_id for r, _ in batch}, promised, out)
+                    if not fits:
+                        continue
+                if skip:
+                    quiet[rid] = quiet_tokens(rid)
+            # _add, inlined: the hot path of every running request.
+            batch.append((req, n))
+            plain += n
+            if high_water:  # only recompute victims have a mark, until they pass it again
+                mark = high_water.get(rid, 0)
+                if mark > c:
+                    out.recomputed_tokens += (c + n if c + n < mark else mark) - c
+                    if c + n >= mark:
+                        del high_water[rid]
             budget -= n
             if loads and rid in loads:
                 out.loads[rid] = loads[rid]
+        out.num_tokens += plain
         if not out.preempted:
             budget = self._resume(out, budget)
         if not self.swapped and not out.preempted:
@@ -275,6 +297,7 @@ class Scheduler(Preempting):
             if res is None:
                 break
             self.swapped.popleft()
+            self._quiet.pop(rid, None)
             seats -= 1
             out.resumed.append(rid)
             if res.plan is not None and not layered:
@@ -322,6 +345,7 @@ class Scheduler(Preempting):
             self.waiting.remove(req)
             seats -= 1
             rid = req.request_id
+            self._quiet.pop(rid, None)
             req.num_computed_tokens = res.num_computed_tokens
             out.admitted.append(rid)
             mark = self._high_water.get(rid, 0)
@@ -399,6 +423,7 @@ class Scheduler(Preempting):
                 q.remove(req)
         del self.requests[rid]
         del self.status[rid]
+        self._quiet.pop(rid, None)
         self._high_water.pop(rid, None)
         self._loads.pop(rid, None)
         self._arriving.discard(rid)

@@ -103,6 +103,10 @@ class Simulator:
         usage_points: About how many memory-usage samples the results keep.
         keep_timeline: Keep every step and copy (:attr:`steps`, ``engine.jobs``),
             for ``--trace``.
+        fast_path: Let the scheduler skip the manager calls that would change
+            nothing (``SchedulerConfig.skip_quiet_allocations``).  Decisions and
+            results are the same either way; ``False`` runs the plain path that
+            the fast one is checked against.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class Simulator:
         progress: Callable[[int, int, float], None] | None = None,
         usage_points: int = 200,
         keep_timeline: bool = False,
+        fast_path: bool = True,
     ) -> None:
         self.setup = setup
         self.workload = workload
@@ -146,6 +151,7 @@ class Simulator:
                 setup.chunked_prefill,
                 policy=setup.policy,
                 mode=setup.mode,
+                skip_quiet_allocations=fast_path,
             ),
         )
 
@@ -248,24 +254,27 @@ class Simulator:
                     rec.admitted = now
             new_early = link.take_layerwise() if layerwise else []
             if out.num_tokens:
-                attn = 0.0
+                attn = 0  # exact in ints; the float of the sum is what a float accumulator gave (< 2**53)
                 kv = 0
                 sampled: dict = {}
+                firsts: list[int] = []  # requests sampling their first output token (only they can set first_token)
                 for req, n in out.scheduled:
                     rid = req.request_id
                     c = req.num_computed_tokens
                     e = c + n
-                    attn += e * e - c * c
+                    attn += n * (c + e)  # = e * e - c * c
                     kv += e
-                    tokens = req.all_token_ids  # the Request's own list: len() is num_tokens, without a property
-                    if e == len(tokens):
-                        sampled[rid] = out_ids[rid][len(tokens) - req.num_prompt_tokens]  # type: ignore[index]
+                    if e == len(req.all_token_ids):  # the Request's own list: len() is num_tokens, without a property
+                        k = e - req.num_prompt_tokens
+                        sampled[rid] = out_ids[rid][k]  # type: ignore[index]
+                        if not k:
+                            firsts.append(rid)
                     mark = high[rid]  # type: ignore[index]
                     if mark > c:
                         by_rid[rid].recomputed_tokens += (e if e < mark else mark) - c  # type: ignore[index, union-attr]
                     if e > mark:
                         high[rid] = e  # type: ignore[index]
-                dt = compute.step_time(out.num_tokens, attn, kv, len(out.scheduled), len(sampled))
+                dt = compute.step_time(out.num_tokens, float(attn), kv, len(out.scheduled), len(sampled))
                 if out.recomputed_tokens:
                     recompute_s += dt * out.recomputed_tokens / out.num_tokens
                 start = now
@@ -286,7 +295,7 @@ class Simulator:
                         Step(n_steps, now, start, end, dt, len(out.scheduled), out.num_tokens,
                              len(out.preempted), len(out.resumed))
                     )  # fmt: skip
-                for rid in sampled:
+                for rid in firsts:
                     rec = by_rid[rid]  # type: ignore[assignment]
                     if rec.first_token < 0:
                         rec.first_token = end
@@ -314,6 +323,10 @@ class Simulator:
                 if new_early:
                     continue  # a layerwise copy was ordered: its request can run in the next step, now
                 nt = loop.peek_time()
+                if nt is None and (out.resumed or out.admitted):
+                    # A request came back (or in) after this step's batch was picked, its KV on the GPU
+                    # already: with nothing else to wait for, it runs in the next step, now.
+                    continue
                 if nt is None:
                     raise SimulationError(
                         f"run {self.setup.name!r}: no progress at t={loop.now:.3f}s with {sched.num_unfinished} "
