@@ -160,8 +160,11 @@ class TierMachine(RuleBasedStateMachine):
     def preempt_for_room(self, n, policy):
         """The scheduler's loop: select victims by a policy, then preempt each (all or nothing)."""
         ids = self._on(Residency.GPU)
+        tm = self.tm
         cands = [
-            Candidate(r, i, len(self.tm.gpu_block_ids(r)), self.reqs[r].num_computed_tokens, 1, self.tm.quote)
+            Candidate(
+                r, i, len(tm.gpu_block_ids(r)), self.reqs[r].num_computed_tokens, 1, tm.quote, tm.preemption_bounds
+            )
             for i, r in enumerate(ids)
         ]
         victims = select_victims(get_policy(policy, self.tm.cost_model), cands, n, "auto", self.tm.cpu_room())

@@ -19,7 +19,6 @@ from its :class:`~tiered_kv.manager.pricing.Quote` when it is preempted.
 from __future__ import annotations
 
 import heapq
-import inspect
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import ClassVar
@@ -30,6 +29,9 @@ from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.pricing import Quote
 from tiered_kv.manager.states import MODES
 
+Bounds = Callable[[Sequence[Hashable], str, bool], list[float]]
+"""``bounds(request_ids, mode, lookups)``: lower bounds of each request's cost-aware key."""
+
 
 class Candidate:
     """What a policy may know about a running request.  The quote is priced lazily, once.
@@ -38,10 +40,24 @@ class Candidate:
         request_id: Identity.
         rank: The scheduler's preemption order (higher = preempted first; unique).
         num_gpu_blocks: Blocks in its GPU table (an upper bound of what it frees).
-        num_computed_tokens / num_prompt_tokens: Progress.
+        num_computed_tokens / num_prompt_tokens: Progress (a snapshot the
+            policies read; the request's own count belongs to the scheduler).
+        bounds: The pricing manager's ``preemption_bounds``, where it offers
+            them: cheap lower bounds of the cost-aware key that let the
+            ranking price a few candidates instead of all (``None``: a bound
+            from the table size is used).
     """
 
-    __slots__ = ("_price", "_quote", "num_computed_tokens", "num_gpu_blocks", "num_prompt_tokens", "rank", "request_id")
+    __slots__ = (
+        "_price",
+        "_quote",
+        "bounds",
+        "num_computed_tokens",
+        "num_gpu_blocks",
+        "num_prompt_tokens",
+        "rank",
+        "request_id",
+    )
 
     def __init__(
         self,
@@ -51,14 +67,16 @@ class Candidate:
         num_computed_tokens: int,
         num_prompt_tokens: int,
         price: Callable[[Hashable], Quote],
+        bounds: Bounds | None = None,
     ) -> None:
         self.request_id = request_id
         self.rank = rank
         self.num_gpu_blocks = num_gpu_blocks
-        self.num_computed_tokens = num_computed_tokens
+        self.num_computed_tokens: int = num_computed_tokens
         self.num_prompt_tokens = num_prompt_tokens
         self._price = price
         self._quote: Quote | None = None
+        self.bounds = bounds
 
     @property
     def quote(self) -> Quote:
@@ -220,19 +238,15 @@ class CostAwarePolicy(VictimPolicy):
 _ROUNDING = 1 - 1e-9  # a bound computed another way round must never exceed the exact key by a rounding
 
 
-def _bounds_of(candidates: Sequence[Candidate]) -> Callable[[list[Hashable], str, bool], list[float]] | None:
-    """The ``preemption_bounds`` of the manager whose ``quote`` prices every candidate, if there is one.
-
-    The price callable is the manager's bound ``quote`` (unwrapped, if a
-    wrapper such as :func:`functools.wraps` made one over it).
-    """
-    price = candidates[0]._price
+def _bounds_of(candidates: Sequence[Candidate]) -> Bounds | None:
+    """The ``preemption_bounds`` that every candidate names, if they all name the same one."""
+    bounds = candidates[0].bounds
+    if bounds is None:
+        return None
     for c in candidates:
-        if c._price != price:
+        if c.bounds != bounds:
             return None
-    owner = getattr(inspect.unwrap(price, stop=lambda f: hasattr(f, "__self__")), "__self__", None)
-    bounds = getattr(owner, "preemption_bounds", None)
-    return bounds if callable(bounds) else None
+    return bounds
 
 
 POLICIES: dict[str, type[VictimPolicy]] = {

@@ -70,9 +70,10 @@ class Preempting:
             order = list(self.running)
         else:
             order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
-        running, num_blocks, quote = S.RUNNING, self.tm.num_gpu_blocks, self.tm.quote
+        tm = self.tm
+        running, num_blocks, quote, bounds = S.RUNNING, tm.num_gpu_blocks, tm.quote, tm.preemption_bounds
         return [
-            Candidate(rid, rank, num_blocks(rid), r.num_computed_tokens, r.num_prompt_tokens, quote)
+            Candidate(rid, rank, num_blocks(rid), r.num_computed_tokens, r.num_prompt_tokens, quote, bounds)
             for rank, r in enumerate(order)
             if (rid := r.request_id) not in exclude and status[rid] is running and rid not in loads
         ]
