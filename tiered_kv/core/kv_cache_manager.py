@@ -122,6 +122,10 @@ class KVCacheManager:
         evictable = sum(1 for b in hits if b.ref_cnt == 0)
         return max(needed, 0) + evictable
 
+    # About 80 lines, on purpose: like vLLM's allocate_slots it checks every argument before it
+    # changes anything, then touches hits, hands out blocks and caches, in that order.  It is the
+    # hottest call of every step, and split apart the all-or-nothing checks would sit away from
+    # the changes they guard.
     def allocate_slots(
         self,
         request: object,

@@ -167,6 +167,9 @@ class Simulator:
         elif plan.kind is PlanKind.ONBOARD:
             rec.onboard_bytes += job.nbytes
 
+    # One long function on purpose: the event loop.  Its locals are the hot loop's state, and a
+    # call per event or per request-step would cost more than the work it does;
+    # ``benchmarks/bench_sim.py --digest`` pins its decisions, event for event.
     def run(self) -> dict[str, Any]:
         loop, sched, link = self.loop, self.scheduler, self.engine
         records, outputs = self.records, self.outputs
@@ -352,6 +355,7 @@ class Simulator:
         if out.scheduled:
             self.loop.log("step", tuple((req.request_id, n) for req, n in out.scheduled))
 
+    # About 70 lines: one flat results document, field by field; split, it would only scatter the fields.
     def _results(
         self, busy, usage, steps: int, tokens_computed: int, recompute_s: float, stall_s: float
     ) -> dict[str, Any]:
