@@ -226,6 +226,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         finally:
             lock.release()
 
+    @exclusive
     def quiet_tokens(self, request_id: Hashable) -> int:
         """The most tokens (computed plus new) ``allocate`` serves for the request without changing anything.
 
@@ -235,26 +236,12 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         settles (a layer-wise load landing starts caching), whichever is first.
         Raises as ``allocate`` does for a request not on the GPU.
         """
-        # Asked after most real allocations: the entry guard and the lookup are inlined, as in allocate.
-        lock = self._lock
-        if not lock.acquire(False):
-            raise ConcurrentUseError(
-                "TierManager.quiet_tokens was called while another thread is inside it; "
-                "a TierManager is single-threaded: drive it from one thread at a time"
-            )
-        try:
-            try:
-                h = self._held.get(request_id)
-            except TypeError:
-                h = None  # unhashable: _get names the problem
-            if h is None or h.residency is not _GPU:
-                h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
-                if not h.layered:
-                    h = self._get(request_id, Residency.GPU)  # names the state it is in
-                return self.gpu.num_quiet_tokens(request_id, delay_cache_blocks=True)
-            return self.gpu.num_quiet_tokens(request_id)
-        finally:
-            lock.release()
+        h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+        if h.residency is not _GPU:
+            if not h.layered:
+                self._get(request_id, Residency.GPU)  # raises, naming the state it is in
+            return self.gpu.num_quiet_tokens(request_id, delay_cache_blocks=True)
+        return self.gpu.num_quiet_tokens(request_id)
 
     # =========================================================== preemption
     @exclusive
