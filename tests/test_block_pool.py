@@ -94,11 +94,10 @@ def test_free_in_reverse_order_puts_deepest_block_first():
 def test_free_blocks_prepends_unhashed_in_given_order_and_appends_hashed_in_given_order():
     mgr = KVCacheManager(10, block_size=1)
     pool = mgr.block_pool
-    r = admit(mgr, "r", "abc")  # all 3 full (block size 1): 1 2 3 hashed
+    admit(mgr, "r", "abc")  # all 3 full (block size 1): 1 2 3 hashed
     extra = pool.get_new_blocks(3)  # 4 5 6 unhashed
     pool.free_blocks([extra[1], pool.blocks[2], extra[0], pool.blocks[1], extra[2], pool.blocks[3]])
     assert queue(pool) == ["5", "4", "6", "7", "8", "9", "2*", "1*", "3*"]
-    del mgr.req_to_blocks[r.request_id]
 
 
 def test_shared_block_returns_to_queue_only_at_last_owner():

@@ -32,11 +32,7 @@ def _long(mgr) -> Request:
 
 def _partial_cache(mgr, r):
     # Table of b is [1, 2, 6, 7]; only 3 blocks are full, so caching 4 must refuse.
-    mgr.num_cached_block["b"] = 3
-    try:
-        mgr.block_pool.cache_full_blocks(r, mgr.req_to_blocks["b"], 3, 4, 2)
-    finally:
-        mgr.num_cached_block["b"] = 3
+    mgr.block_pool.cache_full_blocks(r, mgr.get_blocks("b"), 3, 4, 2)
 
 
 CASES = [

@@ -52,7 +52,7 @@ def test_compaction_keeps_order_and_bounds_memory():
     for b in blocks[10:190]:
         q.remove(b)  # triggers compaction once dead entries outnumber live ones
     assert ids(q) == list(range(10)) + list(range(190, 200))
-    assert len(q._dq) <= 2 * q.num_free_blocks + 65
+    assert q.num_entries <= 2 * q.num_free_blocks + 65
     q.append_n(blocks[50:53])
     assert ids(q)[-3:] == [50, 51, 52]
     assert [b.block_id for b in q.popleft_n(23)] == [*range(10), *range(190, 200), 50, 51, 52]

@@ -93,9 +93,8 @@ def test_try_it_forward_free_order_evicts_the_shared_first_block_first():
     fwd = new_manager()
     r0 = admit(fwd, "r0", "ABCDEFGHIJKLMNO")
     r1 = admit(fwd, "r1", "ABCDEFGHIJxxxx")
-    for r in (r0, r1):  # forward order instead of the scheduler's reverse order
-        fwd.block_pool.free_blocks(fwd.req_to_blocks.pop(r.request_id))
-        fwd.num_cached_block.pop(r.request_id)
+    for r in (r0, r1):  # forward order instead of the manager's reverse order, straight to the pool
+        fwd.block_pool.free_blocks(fwd.get_blocks(r.request_id))
     assert queue(fwd.block_pool) == ["6", "4", "7", "8", "9", "10", "3*", "1*", "2*", "5*"]
     rev = new_manager()
     _after_r0_r1(rev)

@@ -45,6 +45,15 @@ class FreeBlockQueue:
         self.num_free_blocks: int = len(self._dq)
         self._num_stale: int = 0
 
+    @property
+    def num_entries(self) -> int:
+        """Entries in the queue, dead ones (left by ``remove``) included: what its memory holds.
+
+        Compaction keeps this within about twice ``num_free_blocks``; a test of
+        that bound reads it here.
+        """
+        return len(self._dq)
+
     def __len__(self) -> int:
         return self.num_free_blocks
 
