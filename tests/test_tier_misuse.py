@@ -63,6 +63,7 @@ for v in BAD_COUNTS:
         (f"allocate num_lookahead_tokens={v!r}", lambda tm, eng, v=v: tm.allocate("run", 1, v)),
         (f"blocks_short num_new_tokens={v!r}", lambda tm, eng, v=v: tm.blocks_short("run", v)),
         (f"handle plan_id={v!r}", lambda tm, eng, v=v: tm.handle(v)),
+        (f"start_layerwise_store num_tokens_after_step={v!r}", lambda tm, eng, v=v: tm.start_layerwise_store("run", v)),
     ]
 for v in BAD_IDS:
     for name in (
@@ -79,8 +80,11 @@ for v in BAD_IDS:
         "gpu_block_ids",
         "cpu_block_ids",
         "blocks_short",
+        "num_gpu_blocks",
+        "quiet_tokens",
+        "start_layerwise_store",
     ):
-        args = (v, 1) if name in ("allocate", "blocks_short") else (v,)
+        args = (v, 1) if name in ("allocate", "blocks_short", "start_layerwise_store") else (v,)
         ROWS.append((f"{name} request_id={v!r}", lambda tm, eng, n=name, a=args: getattr(tm, n)(*a)))
     ROWS.append((f"preemption_bounds request_ids=[{v!r}]", lambda tm, eng, v=v: tm.preemption_bounds(["run", v])))
 ROWS += [
@@ -98,6 +102,10 @@ ROWS += [
     ("wait timeout=-1", lambda tm, eng: tm.wait(-1)),
     ("wait timeout='1'", lambda tm, eng: tm.wait("1")),
     ("wait timeout=nan", lambda tm, eng: tm.wait(float("nan"))),
+    ("resume layered=1", lambda tm, eng: tm.resume("sw", 1)),
+    ("resume layered=None", lambda tm, eng: tm.resume("sw", None)),
+    ("open_all_layers(None)", lambda tm, eng: tm.open_all_layers(None)),
+    ("open_all_layers(a plan id)", lambda tm, eng: tm.open_all_layers(tm.plans_in_flight()[0].plan_id)),
 ]
 TRANSITIONS = [
     ("resume a request on the GPU", InvalidTransitionError, "'run' is gpu, not cpu", lambda tm: tm.resume("run")),
