@@ -21,7 +21,7 @@ import torch
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import LAYOUTS, LLAMA3_8B, KVSpec
-from tiered_kv.tools.bench_transfer_cmd import ENGINES
+from tiered_kv.transfer.factory import ENGINE_KINDS as ENGINES
 from tiered_kv.transfer.factory import available_kinds, make_copy_engine
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
 

@@ -13,10 +13,11 @@ from typing import Any
 
 from tiered_kv.sim.argtypes import choice_list, positive_int, positive_int_list
 from tiered_kv.storage.spec import LAYOUTS
+from tiered_kv.transfer.factory import ENGINE_KINDS
 
 NAME = "bench-transfer"
 SUMMARY = "measure copy-engine bandwidth against one contiguous copy"
-ENGINES = ("cpu", "cuda", "cupy")  # the copy engines bench_transfer.make_engine builds
+ENGINES = ENGINE_KINDS  # the copy engines bench_transfer.make_engine builds
 # Each case allocates a GPU and a CPU tier of about 4x the bytes it moves.
 TIER_BYTES_PER_CASE_BYTE = 8
 

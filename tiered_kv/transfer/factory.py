@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 #: Accepted values of ``kind``.
 KINDS = ("auto", "cpu", "cuda", "cupy")
+ENGINE_KINDS = KINDS[1:]  # the engines themselves: "auto" picks one of them
 
 _CLASS_NAMES = {"cpu": "CpuCopyEngine", "cuda": "TorchCudaCopyEngine", "cupy": "CupyCopyEngine"}
 
