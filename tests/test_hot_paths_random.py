@@ -213,6 +213,10 @@ def drive(
                     if out.loads and ready and not any(w in eng.pending for w in h.plan.wait_for):
                         eng.complete(pid)
             sampled = {r.request_id: rng.randrange(4) for r, k in out.scheduled if out.needs_sample(r, k)}
+            if out.scheduled and rng.random() < p["p_abort"]:  # dropped while its step computes (its token is ignored)
+                victim = rng.choice(out.scheduled)[0].request_id
+                s.abort(victim)
+                log.append(("abort in step", victim))
             log.append(("finished", [r.request_id for r in s.update(out, sampled)]))
             s.check_consistency()
             tm.check_invariants()
