@@ -190,6 +190,25 @@ def test_abort_in_every_status_releases_everything():
     assert s.tm.num_free_gpu_blocks() == 12 and s.tm.store.num_pinned == 0
 
 
+@pytest.mark.parametrize("with_token", [False, True])
+def test_a_request_aborted_mid_step_needs_no_sampled_token_and_one_given_is_ignored(with_token):
+    s, _ = make()
+    s.add_request(Request("A", letters("aaaab"), max_tokens=3))
+    s.add_request(Request("B", letters("bbbbc"), max_tokens=3))
+    out = s.schedule()
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("A", 5), ("B", 5)]
+    s.abort("A")  # between schedule and update: A's step no longer counts
+    sampled = {"A": 7, "B": 1} if with_token else {"B": 1}
+    assert s.update(out, sampled) == []
+    assert "A" not in s.requests and not s.tm.holds("A")
+    b = s.requests["B"]
+    assert b.num_computed_tokens == 5 and b.all_token_ids[-1] == 1
+    with pytest.raises(InvalidArgumentError, match="sampled has 2 entries, but 1"):
+        s.update(s.schedule(), {"B": 2, "A": 7})  # a token for a request that is not in the step at all
+    s.check_consistency()
+    s.tm.check_invariants()
+
+
 def test_engine_raises_instead_of_spinning_when_nothing_can_ever_run():
     from tiered_kv.engine.engine import Engine, EngineStalledError
 

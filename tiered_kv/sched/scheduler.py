@@ -366,6 +366,8 @@ class Scheduler(Preempting):
 
         ``sampled`` maps the id of every request whose scheduled tokens reached
         the end of its known tokens to the token it sampled (and no other id).
+        A request aborted after ``schedule`` needs no token; one given for it is
+        ignored, as its step no longer counts.
         A request whose layer-wise load failed (``out.loads``) computed on KV
         that never landed: its step is discarded (a token it sampled is
         ignored) and it goes back to the front of the swapped queue.  Loads
@@ -374,11 +376,13 @@ class Scheduler(Preempting):
         """
         loads = out.loads
         failed = {rid for rid, h in loads.items() if not h.wait()} if loads else ()  # waits only: nothing changes
-        need = 0
+        status, running = self.status, S.RUNNING
+        need = ignored = 0
         for r, n in out.scheduled:  # check everything before changing anything
             if r.num_computed_tokens + n == len(r.all_token_ids):
                 rid = r.request_id
-                if failed and rid in failed:
+                if (failed and rid in failed) or status.get(rid) is not running:
+                    ignored += rid in sampled  # its step no longer counts: a token for it may come or not
                     continue
                 need += 1
                 t = sampled.get(rid)
@@ -387,7 +391,7 @@ class Scheduler(Preempting):
                         f"request {rid!r} reached the end of its tokens: sampled must map it to an int "
                         f"token, got {checks.describe(t)}"
                     )
-        extra = len(sampled) - (sum(1 for rid in failed if rid in sampled) if failed else 0)
+        extra = len(sampled) - ignored
         if extra != need:
             raise InvalidArgumentError(f"sampled has {extra} entries, but {need} requests sampled a token")
         for h in out.saves.values():  # the step has computed every layer: whatever the driver did not open
@@ -397,7 +401,6 @@ class Scheduler(Preempting):
                 self._apply([self.tm.process_completion(h)])
         finished: list[Request] = []
         on_tokens_computed = self.tm.on_tokens_computed
-        status, running = self.status, S.RUNNING
         for req, n in out.scheduled:
             rid = req.request_id
             if status.get(rid) is not running or (failed and rid in failed):
