@@ -263,28 +263,17 @@ def run_by_kind(target: Target, log: PoolLog) -> dict[str, float]:
     perf = time.perf_counter
     acc = [0.0] * 5
     calls = [0] * 5
+    fns = (lookup, get_new, touch, free, cache)
     for op in ops:
-        k = op[0]
-        if k == 1:
+        k, arg = op[0], op[1]
+        fn = fns[k]
+        if k == 4:  # cache_full_blocks takes its arguments spread
             t = perf()
-            get_new(op[1])
-            acc[1] += perf() - t
-        elif k == 0:
-            t = perf()
-            lookup(op[1])
-            acc[0] += perf() - t
-        elif k == 2:
-            t = perf()
-            touch(op[1])
-            acc[2] += perf() - t
-        elif k == 3:
-            t = perf()
-            free(op[1])
-            acc[3] += perf() - t
+            fn(*arg)
         else:
             t = perf()
-            cache(*op[1])
-            acc[4] += perf() - t
+            fn(arg)
+        acc[k] += perf() - t
         calls[k] += 1
     overhead = _timer_overhead()
     return {kind: max(acc[_OP[kind]] - overhead * calls[_OP[kind]], 0.0) for kind in KINDS}

@@ -174,33 +174,6 @@ def test_simulator_event_trace_is_identical_on_the_fast_and_the_plain_path(copie
         assert fast[1]["requests_finished"] == 24
 
 
-def test_quiet_tokens_refuse_a_second_thread_like_every_manager_call():
-    import threading
-
-    from test_tier_misuse import GatedEngine
-
-    from tiered_kv.errors import ConcurrentUseError
-    from tiered_kv.manager import CostModel, TierManager
-
-    eng = GatedEngine({"GPU": 9, "CPU": 9})
-    tm = TierManager(9, 9, 4, eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=4))
-    eng.release.set()
-    run(tm, "A", "AAAABBBBCC")
-    run(tm, "B", "XXXX")
-    eng.release.clear()
-    eng.entered.clear()
-    worker = threading.Thread(target=tm.preempt, args=("A", "swap"))
-    worker.start()
-    assert eng.entered.wait(10)  # the worker is inside preempt
-    for call in (lambda: tm.quiet_tokens("B"), lambda: tm.num_gpu_blocks("B")):
-        with pytest.raises(ConcurrentUseError, match="single-threaded"):
-            call()
-    eng.release.set()
-    worker.join(10)
-    assert tm.quiet_tokens("B") == 4  # one full, cached block: the 5th token needs a new one
-    settle(tm, eng)
-
-
 def _random_run(seed: int, skip: bool, mode: str, layerwise: bool) -> list:
     """A random workload with arrivals, aborts and copies landing late, driven step by step; the whole log."""
     import random

@@ -398,11 +398,20 @@ def test_a_second_thread_entering_is_refused_with_a_clear_error():
     worker = threading.Thread(target=tm.preempt, args=("A", "swap"))
     worker.start()
     assert eng.entered.wait(10)  # the worker is inside preempt, in the engine's submit
-    for call in (lambda: tm.residency("B"), lambda: tm.allocate("B", 1), lambda: tm.poll(), lambda: tm.free("B")):
+    calls = (
+        lambda: tm.residency("B"),
+        lambda: tm.allocate("B", 1),
+        lambda: tm.quiet_tokens("B"),
+        lambda: tm.num_gpu_blocks("B"),
+        lambda: tm.poll(),
+        lambda: tm.free("B"),
+    )
+    for call in calls:
         with pytest.raises(ConcurrentUseError, match="single-threaded"):
             call()
     eng.release.set()
     worker.join(10)
+    assert tm.quiet_tokens("B") == 4  # one full, cached block: the 5th token needs a new one
     assert tm.residency("A") is Residency.SWAPPING_OUT and tm.residency("B") is Residency.GPU
     settle(tm, eng)
     tm.check_invariants()
