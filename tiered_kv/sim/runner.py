@@ -21,7 +21,7 @@ from typing import Any
 from tiered_kv.obs.recorder import MetricsRecorder, Reading
 from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import Calibration, load_calibration
-from tiered_kv.sim.config import config_from_raw, read_config, setup
+from tiered_kv.sim.config import config_from_raw, derived_fields, read_config, setup
 from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.files import write_text
 from tiered_kv.sim.progress import Progress
@@ -262,6 +262,9 @@ def simulate(
         f"({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to {first.max_num_seqs} running requests "
         f"and {first.max_num_batched_tokens} tokens a step; their KV demand = {ratio0:.2f}x the GPU pool"
     )
+    derived = derived_fields(first)
+    if derived:
+        emit(f"derived, not given in the profiles: {'; '.join(derived)}")
     with Progress("simulate", sum(sizes), "requests", enabled=progress) as prog:
         say = prog.wrap(emit)
         if workers > 1 and len(tasks) > 1:
