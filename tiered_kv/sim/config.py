@@ -48,8 +48,10 @@ __all__ = [
     "config_from_raw",
     "derived_fields",
     "find_config",
+    "input_files",
     "load_config",
     "read_config",
+    "referenced_files",
     "resolve_paths",
     "setup",
     "validate_config",
@@ -129,6 +131,45 @@ def resolve_paths(raw: Any, base: Path) -> Any:
     if isinstance(w, dict) and isinstance(w.get("trace"), str):
         w["trace"] = _under(base, w["trace"])
     return raw
+
+
+def referenced_files(raw: Any, base: Path | None) -> list[Path]:
+    """Every file a config's YAML refers to, at any depth: profile files, shipped profiles, traces.
+
+    ``base`` is the config's directory (relative references are relative to it).
+    These are the run's inputs, which no output of the run may overwrite.
+    """
+    out: list[Path] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        if not isinstance(node, dict):
+            return
+        for key, v in node.items():
+            if isinstance(v, str) and key in ("hardware", "model", "trace"):
+                if key == "trace" or is_path_ref(v):
+                    p = Path(v).expanduser()
+                    out.append(p if p.is_absolute() or base is None else base / p)
+                else:
+                    found = shipped("hardware" if key == "hardware" else "models", v)
+                    if isinstance(found, Path):
+                        out.append(found)
+            else:
+                walk(v)
+
+    walk(raw)
+    return out
+
+
+def input_files(ref: str | Path | None) -> list[Path]:
+    """The files a run of config ``ref`` reads: the config itself and everything it refers to."""
+    src = find_config(ref)
+    raw = read_yaml(src, "config")
+    if not isinstance(src, Path):
+        return referenced_files(raw, None)
+    return [src, *referenced_files(raw, src.resolve().parent)]
 
 
 def read_config(path: str | Path | None = None) -> tuple[Any, str]:

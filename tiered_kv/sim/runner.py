@@ -149,7 +149,7 @@ def _plan(
     regimes: list[tuple],
     cal: Calibration | None,
     requests_path: Path | None,
-    trace_path: Path | None,
+    timeline_path: Path | None,
     metrics_path: Path | None,
 ) -> tuple[list[Task], list[int], list[tuple], dict[str | None, list[SimRequest]]]:
     """One task per run and regime, each regime's workload built once; and what the header line needs."""
@@ -165,7 +165,7 @@ def _plan(
         where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
         heads.append((name, rate, where, first, ratio, len(workload)))
         for i in range(len(setups)):
-            keep = (requests_path is not None, trace_path is not None)
+            keep = (requests_path is not None, timeline_path is not None)
             tasks.append(Task(cfg, name, i, cal, *keep, len(tasks) + 1, metrics_path is not None))
             sizes.append(len(workload))
     return tasks, sizes, heads, workloads
@@ -198,7 +198,7 @@ def _write_outputs(
     emit: Callable[[str], None],
     json_path: Path | None,
     requests_path: Path | None,
-    trace_path: Path | None,
+    timeline_path: Path | None,
     metrics_path: Path | None,
     plots_dir: Path | None,
 ) -> None:
@@ -211,9 +211,9 @@ def _write_outputs(
     if requests_path is not None:
         write_text(requests_path, "".join(o["requests"] for o in outs), "--requests")
         emit(f"wrote {requests_path}")
-    if trace_path is not None:
-        write_trace(trace_path, [e for o in outs for e in o["timeline"]])  # each run is a process of its own
-        emit(f"wrote {trace_path}")
+    if timeline_path is not None:
+        write_timeline(timeline_path, [e for o in outs for e in o["timeline"]])  # each run is a process of its own
+        emit(f"wrote {timeline_path}")
     if metrics_path is not None:
         write_metrics(metrics_path, [o["metrics"] for o in outs])
         emit(f"wrote {metrics_path}")
@@ -231,7 +231,7 @@ def simulate(
     progress: bool = True,
     calibration: Path | None = None,
     requests_path: Path | None = None,
-    trace_path: Path | None = None,
+    timeline_path: Path | None = None,
     workers: int = 1,
     metrics_path: Path | None = None,
 ) -> dict[str, Any]:
@@ -243,7 +243,7 @@ def simulate(
     model profiles.  The workload's memory and time are estimated first, and a
     config that could not finish on this machine is refused before anything
     runs.  ``requests_path`` gets one JSONL row per request and run;
-    ``trace_path`` a Chrome/Perfetto trace of every step and copy;
+    ``timeline_path`` a timeline (Chrome/Perfetto JSON) of every step and copy;
     ``metrics_path`` the Prometheus text exposition of every run (labels
     ``run`` and ``regime``; ``docs/metrics.md``).
     """
@@ -254,7 +254,7 @@ def simulate(
         import_extra("matplotlib", "--plots")  # before the run, not after it
     if metrics_path is not None:
         import_extra("prometheus_client", "--metrics")
-    tasks, sizes, heads, workloads = _plan(regimes, cal, requests_path, trace_path, metrics_path)
+    tasks, sizes, heads, workloads = _plan(regimes, cal, requests_path, timeline_path, metrics_path)
     cfg0 = regimes[0][3]
     _, _, where, first, ratio0, _ = heads[0]
     emit(
@@ -282,7 +282,7 @@ def simulate(
         "regimes": summaries,
         "runs": results,
     }
-    _write_outputs(doc, outs, emit, json_path, requests_path, trace_path, metrics_path, plots_dir)
+    _write_outputs(doc, outs, emit, json_path, requests_path, timeline_path, metrics_path, plots_dir)
     return doc
 
 
@@ -293,6 +293,6 @@ def write_metrics(path: Path, readings: list[tuple[dict[str, str], Reading]]) ->
     write_text(path, exposition(readings), "--metrics")
 
 
-def write_trace(path: Path, events: list[dict[str, Any]]) -> None:
+def write_timeline(path: Path, events: list[dict[str, Any]]) -> None:
     """Write Chrome trace events as a JSON object file (``chrome://tracing``, Perfetto)."""
-    write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), "--trace")
+    write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), "--timeline")

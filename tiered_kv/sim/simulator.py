@@ -102,7 +102,7 @@ class Simulator:
         progress: Called now and then with (finished, total, simulated seconds).
         usage_points: About how many memory-usage samples the results keep.
         keep_timeline: Keep every step and copy (:attr:`steps`, ``engine.jobs``),
-            for ``--trace``.
+            for ``--timeline``.
         fast_path: Let the scheduler skip the manager calls that would change
             nothing (``SchedulerConfig.skip_quiet_allocations``).  Decisions and
             results are the same either way; ``False`` runs the plain path that
