@@ -239,6 +239,7 @@ def test_cli_simulate_and_sweep_write_json_and_plots(tmp_path):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
     s = sweep(cfg, tmp_path / "sweep.json", tmp_path / "plots", emit=lines.append, progress=False)
     assert len(s["rows"]) == 6 and len(s["verdicts"]) == 2
+    assert [v["best_fixed"] for v in s["verdicts"]] == [None, None]  # no fixed-mode run has smart's CPU tier
     assert (tmp_path / "plots" / "sweep.png").stat().st_size > 1000
     from tiered_kv.cli import main
 

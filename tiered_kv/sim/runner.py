@@ -26,7 +26,7 @@ from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.files import write_text
 from tiered_kv.sim.progress import Progress
 from tiered_kv.sim.records import jsonl
-from tiered_kv.sim.report import demand_ratio, plot, regime_verdict, table, write_json
+from tiered_kv.sim.report import kv_demand, plot, regime_verdict, table, write_json
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.sweep import sweep
 from tiered_kv.sim.tier_report import has_tiers, tier_table
@@ -161,7 +161,7 @@ def _plan(
         setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
         workload = workloads[name] = build_workload(cfg, setups)  # sized and checked once per regime
         first = setups[0]
-        ratio = demand_ratio(cfg, first, workload)
+        ratio = kv_demand(first, workload)
         where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
         heads.append((name, rate, where, first, ratio, len(workload)))
         for i in range(len(setups)):
@@ -256,11 +256,11 @@ def simulate(
         import_extra("prometheus_client", "--metrics")
     tasks, sizes, heads, workloads = _plan(regimes, cal, requests_path, timeline_path, metrics_path)
     cfg0 = regimes[0][3]
-    _, _, where, first, ratio0, _ = heads[0]
+    _, _, where, first, demand0, _ = heads[0]
     emit(
         f"{cfg0['name']}: {first.model.name} on {where}, GPU KV {first.gpu_kv_gib:.4g} GiB "
         f"({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to {first.max_num_seqs} running requests "
-        f"and {first.max_num_batched_tokens} tokens a step; their KV demand = {ratio0:.2f}x the GPU pool"
+        f"and {first.max_num_batched_tokens} tokens a step; {demand0.describe(first.max_num_seqs)}"
     )
     derived = derived_fields(first)
     if derived:
@@ -277,7 +277,8 @@ def simulate(
         "name": cfg0["name"],
         "hardware": where,
         "model": first.model.name,
-        "kv_demand_ratio": ratio0,
+        "kv_demand_ratio": demand0.ratio,  # report.KVDemand: the largest requests that can run at once
+        "kv_demand_requests": demand0.requests,
         "config": cfg0,
         "regimes": summaries,
         "runs": results,
