@@ -22,7 +22,9 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         help=SUMMARY,
         description=(
             "Simulate every entry of a config's `runs:` on one workload with the real tier manager "
-            "and scheduler, then print a comparison table.  Needs the sim extra."
+            "and scheduler, then print a comparison table.  No output may be an input of the run (the config, "
+            "its profiles, the workload trace, the calibration), and every output is created before the first "
+            "step.  Needs the sim extra."
         ),
     )
     p.add_argument(
