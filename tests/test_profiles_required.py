@@ -174,3 +174,13 @@ def test_simulate_prints_what_it_derived(tmp_path, monkeypatch, capsys):
         "link); hardware.link.bidir_gbps = 8.192e-06 (H2D + D2H: full duplex, no shared cap); "
         "model.head_dim = 64 (hidden_size / num_heads)"
     )
+
+
+def test_a_tier_medium_the_profile_does_not_describe_is_listed_as_derived():
+    run = {"name": "disk", "mode": "recompute", "offload": "write_through", "tiers": {"disk": {"capacity_blocks": 16}}}
+    st = setup(config(runs=[run]), 0)
+    assert derived_fields(st)[-1] == (
+        "hardware.tiers.disk = the manager's measured DISK link (the profile describes no disk)"
+    )
+    described = dict(HW, tiers={"disk": {"bandwidth_gbps": 1.0, "block_latency_us": 10}})
+    assert not any("tiers" in d for d in derived_fields(setup(config(runs=[run], hardware=described), 0)))

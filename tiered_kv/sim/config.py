@@ -392,8 +392,17 @@ def _models(
 
 
 def derived_fields(st: RunSetup) -> list[str]:
-    """What a run's profiles derived rather than were given (``key = value (rule)``), for the run to print."""
-    return [*st.hardware.derived, *st.model.derived]
+    """What a run's profiles derived rather than were given (``key = value (rule)``), for the run to print.
+
+    A tier below the CPU whose medium the hardware profile does not describe is
+    priced with the manager's measured link for that medium; that is listed too.
+    """
+    media = [
+        f"hardware.tiers.{t.name} = the manager's measured {t.medium} link (the profile describes no {t.name})"
+        for t in st.tiers.tiers
+        if t.link.source == "default"
+    ]
+    return [*st.hardware.derived, *st.model.derived, *media]
 
 
 def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None = None) -> RunSetup:

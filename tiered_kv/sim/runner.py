@@ -262,7 +262,10 @@ def simulate(
         f"({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to {first.max_num_seqs} running requests "
         f"and {first.max_num_batched_tokens} tokens a step; {demand0.describe(first.max_num_seqs)}"
     )
-    derived = derived_fields(first)
+    cfg_first = regimes[0][3]
+    derived = list(
+        dict.fromkeys(d for i in range(len(cfg_first["runs"])) for d in derived_fields(setup(cfg_first, i, cal)))
+    )
     if derived:
         emit(f"derived, not given in the profiles: {'; '.join(derived)}")
     with Progress("simulate", sum(sizes), "requests", enabled=progress) as prog:

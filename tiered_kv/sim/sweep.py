@@ -21,7 +21,7 @@ from typing import Any
 
 from tiered_kv.errors import TieredKVError
 from tiered_kv.sim.budget import check
-from tiered_kv.sim.config import config_from_raw, read_config, setup
+from tiered_kv.sim.config import config_from_raw, derived_fields, read_config, setup
 from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.progress import Progress
 from tiered_kv.sim.report import plot_sweep, write_json
@@ -234,6 +234,9 @@ def sweep(
     name, cells, rates, mems = plan_cells(config)
     work = size(cells[0].cfg["workload"])
     setups = [setup(c.cfg, c.run_index) for c in cells]
+    derived = list(dict.fromkeys(d for st in setups for d in derived_fields(st)))
+    if derived:
+        emit(f"derived, not given in the profiles: {'; '.join(derived)}")
     if ray_address is not None:
         check(work, setups, len(cells), parallel=len(cells), local_parallel=1)
     else:
