@@ -41,6 +41,8 @@ class KVCacheManager:
         enable_caching: Prefix caching.
         hash_fn: ``"sha256"``, ``"fast"`` or a callable (see :mod:`.hashing`).
         hash_seed: Seed of the root hash.
+        enable_kv_cache_events: Queue the pool's events (see :mod:`.events`).
+        kv_events_int_hashes: Events publish hashes as 64-bit ints (vLLM's default) or as held.
         block_pool: An existing pool to manage (the tier manager shares pools).
         log_stats: Count prefix-cache statistics.
         max_model_len: Cap on slots per request (``None``: no cap).
@@ -55,6 +57,7 @@ class KVCacheManager:
         hash_fn: str | HashFn = "sha256",
         hash_seed: object = 0,
         enable_kv_cache_events: object = False,
+        kv_events_int_hashes: object = True,
         block_pool: object = None,
         medium: object = "GPU",
         log_stats: object = True,
@@ -70,7 +73,7 @@ class KVCacheManager:
         if block_pool is None:
             if num_blocks is None:
                 raise InvalidArgumentError("give num_blocks or block_pool")
-            block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
+            block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium, kv_events_int_hashes)
         elif not isinstance(block_pool, BlockPool):
             raise InvalidArgumentError(f"block_pool must be a BlockPool, got {checks.describe(block_pool)}")
         self.block_pool: BlockPool = block_pool
