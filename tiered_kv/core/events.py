@@ -56,7 +56,7 @@ class BlockStored:
     starts at block 0) and ``token_ids`` the tokens of the whole range, null
     blocks included, as vLLM publishes them; ``extra_keys`` has one entry per
     item of ``block_hashes``, in vLLM's untagged form (the LoRA name, then
-    ``(identifier, offset)`` of each multimodal input, then the cache salt on
+    ``(identifier, offset within the block)`` of each multimodal input, then the cache salt on
     block 0), ``None`` for a block without any.
     """
 

@@ -185,8 +185,8 @@ def stored_event(
 def event_extra_keys(request: Request, idx: list[int], block_size: int) -> list[tuple[object, ...] | None] | None:
     """One entry per block index in ``idx``: the keys its hash covers, in vLLM's untagged event form.
 
-    LoRA name, then ``(identifier, offset)`` of each multimodal input overlapping
-    the block, then the cache salt on block 0; ``None`` for a block with none, and
+    LoRA name, then ``(identifier, offset - block start)`` of each multimodal
+    input overlapping the block, then the cache salt on block 0; ``None`` for a block with none, and
     ``None`` for no blocks at all (vLLM's ``to_event_extra_keys``).
     """
     if not idx:
@@ -200,7 +200,7 @@ def event_extra_keys(request: Request, idx: list[int], block_size: int) -> list[
         keys: list[object] = [] if lora is None else [lora]
         for f in mm:
             if f.offset < end and f.offset + f.length > start:
-                keys.append((f.identifier, f.offset))
+                keys.append((f.identifier, f.offset - start))  # vLLM: the offset relative to the block
         if i == 0 and salt is not None:
             keys.append(salt)
         out.append(tuple(keys) if keys else None)
