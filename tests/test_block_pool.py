@@ -154,12 +154,14 @@ def test_block_stored_events_carry_chain_and_tokens():
     (ev,) = mgr.take_events()
     h = r.block_hashes
     keys = [("adapter", "s"), ("adapter",)]  # vLLM's untagged extra keys: LoRA name, salt on block 0
-    assert ev == BlockStored(h[:2], None, letters("abcd"), 2, None, "GPU", "adapter", keys, group_idx=0)
+    # The manager names its group's kind, as vLLM's KVCacheManager.take_events does.
+    kind = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    assert ev == BlockStored(h[:2], None, letters("abcd"), 2, None, "GPU", "adapter", keys, **kind)
     r.num_computed_tokens = 5
     r.append_output_token_ids(ord("f"))
     mgr.allocate_slots(r, 1)  # the one-block path builds the same shape
     (ev,) = mgr.take_events()
-    assert ev == BlockStored([h[2]], h[1], letters("ef"), 2, None, "GPU", "adapter", [("adapter",)], group_idx=0)
+    assert ev == BlockStored([h[2]], h[1], letters("ef"), 2, None, "GPU", "adapter", [("adapter",)], **kind)
     assert mgr.take_events() == []
 
 
@@ -169,7 +171,8 @@ def test_events_publish_hashes_as_64_bit_ints_by_default():
     h = r.block_hashes
     as_int = [int.from_bytes(x, "big") & (2**64 - 1) for x in h[:2]]
     (ev,) = mgr.take_events()
-    assert ev == BlockStored(as_int, None, letters("aabb"), 2, None, "GPU", None, [None, None], group_idx=0)
+    kind = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    assert ev == BlockStored(as_int, None, letters("aabb"), 2, None, "GPU", None, [None, None], **kind)
     mgr.free(r)
     assert queue(mgr.block_pool) == ["3", "2*", "1*"]
     mgr.block_pool.get_new_blocks(3)  # evicts 2 then 1: one event each, in hand-out order

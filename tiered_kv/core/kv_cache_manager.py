@@ -18,17 +18,21 @@ Block tables are append-only: an id, once in a table, is never replaced.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import replace
 
 from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.block_hasher import BlockHasher
 from tiered_kv.core.block_pool import BlockPool
 from tiered_kv.core.compile_hints import mypyc_attr
-from tiered_kv.core.events import KVCacheEvent
+from tiered_kv.core.events import BlockStored, KVCacheEvent
 from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.request import Request
 from tiered_kv.core.stats import PrefixCacheStats
 from tiered_kv.errors import InvalidArgumentError
+
+FULL_ATTENTION = "full_attention"
+"""vLLM's ``KVCacheSpecKind.FULL_ATTENTION.value``: the kind of tiered_kv's one KV cache group."""
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -440,4 +444,14 @@ class KVCacheManager:
         return ok
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+        """The pool's events since the last call, each ``BlockStored`` labelled with its KV cache kind.
+
+        As vLLM 0.33's ``KVCacheManager.take_events`` does: the pool emits structure only, and
+        the manager, which knows its one group is full attention, names the kind
+        (``"full_attention"``, no sliding window) so that a consumer can classify the blocks.
+        """
+        events = self.block_pool.take_events()
+        for i, ev in enumerate(events):
+            if isinstance(ev, BlockStored) and ev.group_idx == 0:
+                events[i] = replace(ev, kv_cache_spec_kind=FULL_ATTENTION)
+        return events
