@@ -1,7 +1,11 @@
-"""BlockPool: vLLM v1's prefix-cached block pool, decision for decision.
+"""BlockPool: vLLM 0.33.0's prefix-cached block pool, decision for decision, for one KV cache group.
 
-Names and behaviour follow ``vllm/v1/core/block_pool.py`` (see
-``shared/seeds/vllm-block-pool-internals.txt``):
+Names and behaviour follow vLLM 0.33.0's ``vllm/v1/core/block_pool.py``, and are
+checked against that code: ``tests/test_vllm_pool_diff.py`` replays seeded random
+traces through vLLM's own ``BlockPool`` and this one side by side (every answer,
+the free-queue order, owner counts, hashes and every event), and
+``tests/test_vllm_unit_tests.py`` runs vLLM's own unit tests of the pool against it.
+Several KV cache groups, partial-block entries and lookahead hashing are not built.
 
 * ``get_new_blocks`` takes from the front of the free queue; a block that still
   carries a hash is evicted at that moment and not before (lazy eviction).
@@ -15,6 +19,8 @@ Names and behaviour follow ``vllm/v1/core/block_pool.py`` (see
 * Block 0 is the null block, never handed out.  ``touch`` and ``free_blocks``
   skip it, as vLLM does: hybrid and sliding-window block tables hold null
   blocks in place of blocks that fell out of the window, and pass them along.
+
+Events (opt-in) are vLLM 0.33's, emitted where vLLM emits them: see :mod:`.events`.
 
 Every public method is all-or-nothing: misuse raises a
 :class:`~tiered_kv.errors.TieredKVError` subclass and leaves the pool exactly

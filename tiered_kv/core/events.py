@@ -57,7 +57,9 @@ class BlockStored:
     blocks included, as vLLM publishes them; ``extra_keys`` has one entry per
     item of ``block_hashes``, in vLLM's untagged form (the LoRA name, then
     ``(identifier, offset within the block)`` of each multimodal input, then the cache salt on
-    block 0), ``None`` for a block without any.
+    block 0), ``None`` for a block without any.  The LoRA and salt entries are
+    compared with vLLM's; the multimodal ones follow vLLM's shape but are not
+    (tiered_kv's multimodal inputs are not vLLM's records).
     """
 
     block_hashes: list[ExternalBlockHash]

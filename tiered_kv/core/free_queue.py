@@ -1,7 +1,8 @@
 """The free queue: the order in which free blocks are reused.
 
 The order is the eviction policy (front = reused first), so it is the contract
-this module keeps exactly as vLLM v1's ``FreeKVCacheBlockQueue`` does.  The
+this module keeps exactly as vLLM 0.33.0's ``FreeKVCacheBlockQueue`` does (its own
+unit tests run against this queue: ``tests/test_vllm_unit_tests.py``).  The
 representation is ours and was chosen by measurement
 (``benchmarks/bench_block_pool.py --queues``): vLLM threads a doubly linked list
 through the block objects, which costs several Python attribute writes per
