@@ -23,6 +23,7 @@ TINY: dict[str, Any] = {
         "pcie_gbps_per_direction": 4.096e-6,
         "pcie_efficiency": 1.0,
         "per_copy_overhead_s": 0.0,
+        "step_model": {"prefill_mfu": 0.5, "frontend_s": 0.0},
     },
     "model": {
         "name": "toy",

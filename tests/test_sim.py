@@ -95,6 +95,7 @@ def busy_config(**changes):
             "pcie_gbps_per_direction": 1.0e-4,
             "pcie_efficiency": 1.0,
             "per_copy_overhead_s": 1.0e-4,
+            "step_model": {"prefill_mfu": 0.5, "frontend_s": 0.0},
         },
         runs=[
             {"name": "recompute", "policy": "lru", "mode": "recompute", "offload": "none", "cpu_kv_gib": 0},

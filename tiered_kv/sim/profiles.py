@@ -31,7 +31,7 @@ from typing import Any
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.files import read_yaml
-from tiered_kv.sim.schema import Field, fraction, integer, non_negative, num, positive, validate
+from tiered_kv.sim.schema import REQUIRED, Field, fraction, integer, non_negative, num, positive, validate
 from tiered_kv.sim.shipped import shipped, shipped_names
 from tiered_kv.sim.tier_profiles import TIERS_SCHEMA, TierMedium, tier_media
 from tiered_kv.storage.spec import DTYPE_BYTES
@@ -53,9 +53,12 @@ HARDWARE_SCHEMA = {
     },
     "step_model": {
         "mfu": num(0.5, fraction),
+        # Required: each has its own fit and source in the shipped profiles (no default stands in for one).
+        "prefill_mfu": num(REQUIRED, fraction),
         "hbm_efficiency": num(0.8, fraction),
         "per_step_s": num(5e-4, non_negative),
         "per_seq_s": num(0.0, non_negative),
+        "frontend_s": num(REQUIRED, non_negative),
     },
     "allreduce": {
         "latency_us": num(10.0, non_negative),
@@ -115,12 +118,26 @@ class LinkProfile:
 
 @dataclass(frozen=True, slots=True)
 class StepProfile:
-    """Step-time coefficients of one GPU (see :mod:`tiered_kv.sim.compute`)."""
+    """Step-time coefficients of one GPU (see :mod:`tiered_kv.sim.compute`).
+
+    Attributes:
+        mfu: Fraction of peak BF16 FLOPs that decode rows and the LM head reach.
+        prefill_mfu: Fraction of peak that prefill chunks reach (tall GEMMs, FlashAttention).
+        hbm_efficiency: Fraction of datasheet HBM bandwidth that weight and KV reads reach.
+        per_step_s: The serving engine's fixed cost of one step.
+        per_seq_s: Its cost per request in a step.
+        frontend_s: The serving front end's cost per request (HTTP handling,
+            tokenization, hand-off to the engine, detokenization and streaming of the
+            first token), outside every step: a request reaches the scheduler this long
+            after it was sent, so TTFT and E2E include it once and no step pays it.
+    """
 
     mfu: float
+    prefill_mfu: float
     hbm_efficiency: float
     per_step_s: float
     per_seq_s: float
+    frontend_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +309,9 @@ def load_hardware(ref: Any, key: str = "hardware") -> HardwareProfile:
         peak_bf16_flops=d["peak_bf16_flops"],
         hbm_bytes_per_s=d["hbm_bytes_per_s"],
         link=_link(d),
-        step=StepProfile(s["mfu"], s["hbm_efficiency"], s["per_step_s"], s["per_seq_s"]),
+        step=StepProfile(
+            s["mfu"], s["prefill_mfu"], s["hbm_efficiency"], s["per_step_s"], s["per_seq_s"], s["frontend_s"]
+        ),
         allreduce=AllReduceProfile(
             a["latency_us"] * 1e-6, a["small_gbps"] * GB, a["small_max_bytes"], a["busbw_gbps"] * GB
         ),
