@@ -135,3 +135,13 @@ def test_a_held_arrival_enters_when_nothing_runs(tmp_path):
 def test_bad_fidelity_settings_name_the_key(changes, message):
     with pytest.raises(ConfigError, match=message):
         config(**changes)
+
+
+def test_a_shipped_profile_prices_the_front_end_into_every_run():
+    from tiered_kv.sim.config import config_from_raw, setup
+
+    hw = load_hardware("h200")
+    cfg = config_from_raw({"hardware": "h200", "model": "llama3-8b"}, "main")
+    assert hw.step.frontend_s > 0 and setup(cfg, 0).compute.frontend_s == hw.step.frontend_s
+    off = config_from_raw({"hardware": "h200", "model": "llama3-8b", "compute": {"frontend_s": 0}}, "x")
+    assert setup(off, 0).compute.frontend_s == 0.0  # the config's override wins
