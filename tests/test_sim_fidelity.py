@@ -66,6 +66,7 @@ def test_the_front_end_delays_entry_and_counts_in_ttft_but_in_no_step():
     ]
     assert res["ttft_s"]["p50"] == 1.25 and res["e2e_s"]["p99"] == 2.25 and res["makespan_s"] == 4.25
     assert res["tpot_s"]["p50"] == 1.0  # no step pays for the front end
+    assert res["queue_s"]["p99"] == 0.0  # nor is it a wait in the scheduler's queue
     assert [r.arrival for r in sim.records.values()] == [0.0, 2.0]  # the records keep the time it was sent
 
 

@@ -392,7 +392,9 @@ class Simulator:
         makespan = max((r.finish for r in recs), default=0.0)
         ttft = [r.first_token - r.arrival for r in recs]
         e2e = [r.finish - r.arrival for r in recs]
-        queue = [r.admitted - r.arrival for r in recs if r.admitted >= 0]
+        # the wait in the scheduler's queue: from reaching the scheduler, after the front end
+        front = self.setup.compute.frontend_s
+        queue = [r.admitted - r.arrival - front for r in recs if r.admitted >= 0]
         tpot = [(r.finish - r.first_token) / (r.output_tokens - 1) for r in recs if r.output_tokens > 1]
         n_out = sum(r.output_tokens for r in recs)
         requested = sum(len(o) for o in self.outputs.values())
