@@ -157,7 +157,8 @@ def test_simulate_refuses_an_l4_profile_with_only_a_name(tmp_path, monkeypatch, 
     assert re.fullmatch(
         r"tiered-kv simulate: hardware\.memory_gib: required key is missing \(also missing: "
         r"hardware\.peak_bf16_flops, hardware\.hbm_bytes_per_s, hardware\.step_model\.mfu, "
-        r"hardware\.step_model\.hbm_efficiency, hardware\.step_model\.per_step_s, hardware\.step_model\.per_seq_s\)\n",
+        r"hardware\.step_model\.prefill_mfu, hardware\.step_model\.hbm_efficiency, hardware\.step_model\.per_step_s, "
+        r"hardware\.step_model\.per_seq_s, hardware\.step_model\.frontend_s\)\n",
         err,
     ), err
 

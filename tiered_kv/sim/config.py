@@ -353,11 +353,15 @@ def _models(
     c = cfg["compute"]
     sp = hw.step
     mfu = c["mfu"] if c["mfu"] is not None else sp.mfu
+    pre = c["prefill_mfu"] if c["prefill_mfu"] is not None else sp.prefill_mfu
+    front = c["frontend_s"] if c["frontend_s"] is not None else sp.frontend_s
     eff = c["hbm_efficiency"] if c["hbm_efficiency"] is not None else sp.hbm_efficiency
     geometry_pieces = 2 * model.num_layers if run["kv_layout"] == "layer_first" else 1
     if calibration is not None:
         cost = calibration.cost_model
-        compute = ComputeModel(hw, model, mfu, eff, 0.0, None, calibration.step_model)
+        compute = ComputeModel(
+            hw, model, mfu, eff, 0.0, None, calibration.step_model, 0.0, pre, front, c["scheduler_steps"]
+        )
         d2h, h2d, ovh = cost.d2h_bytes_per_s, cost.h2d_bytes_per_s, cost.per_copy_overhead_s
         link = LinkProfile(h2d, d2h, h2d + d2h, ovh)
     else:
@@ -377,7 +381,9 @@ def _models(
         link = LinkProfile(h2d, d2h, bidir, ovh)
         step_s = c["step_overhead_s"] if c["step_overhead_s"] is not None else sp.per_step_s
         per_seq = c["per_seq_s"] if c["per_seq_s"] is not None else sp.per_seq_s
-        compute = ComputeModel(hw, model, mfu, eff, step_s, c["fixed_step_s"], None, per_seq)
+        compute = ComputeModel(
+            hw, model, mfu, eff, step_s, c["fixed_step_s"], None, per_seq, pre, front, c["scheduler_steps"]
+        )
         cost = CostModel(
             kv_bytes_per_token=model.kv_bytes_per_token,
             block_size=bs,

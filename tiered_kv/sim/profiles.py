@@ -74,9 +74,11 @@ HARDWARE_SCHEMA = {
     },
     "step_model": {
         "mfu": num(REQUIRED, fraction),
+        "prefill_mfu": num(REQUIRED, fraction),
         "hbm_efficiency": num(REQUIRED, fraction),
         "per_step_s": num(REQUIRED, non_negative),
         "per_seq_s": num(REQUIRED, non_negative),
+        "frontend_s": num(REQUIRED, non_negative),
     },
     # Needed only when a model runs tensor-parallel (checked with the model: check_pair).
     "allreduce": {
@@ -137,12 +139,26 @@ class LinkProfile:
 
 @dataclass(frozen=True, slots=True)
 class StepProfile:
-    """Step-time coefficients of one GPU (see :mod:`tiered_kv.sim.compute`)."""
+    """Step-time coefficients of one GPU (see :mod:`tiered_kv.sim.compute`).
+
+    Attributes:
+        mfu: Fraction of peak BF16 FLOPs that decode rows and the LM head reach.
+        prefill_mfu: Fraction of peak that prefill chunks reach (tall GEMMs, FlashAttention).
+        hbm_efficiency: Fraction of datasheet HBM bandwidth that weight and KV reads reach.
+        per_step_s: The serving engine's fixed cost of one step.
+        per_seq_s: Its cost per request in a step.
+        frontend_s: The serving front end's cost per request (HTTP handling,
+            tokenization, hand-off to the engine, detokenization and streaming of the
+            first token), outside every step: a request reaches the scheduler this long
+            after it was sent, so TTFT and E2E include it once and no step pays it.
+    """
 
     mfu: float
+    prefill_mfu: float
     hbm_efficiency: float
     per_step_s: float
     per_seq_s: float
+    frontend_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,7 +387,9 @@ def load_hardware(ref: Any, key: str = "hardware") -> HardwareProfile:
         peak_bf16_flops=d["peak_bf16_flops"],
         hbm_bytes_per_s=d["hbm_bytes_per_s"],
         link=link,
-        step=StepProfile(s["mfu"], s["hbm_efficiency"], s["per_step_s"], s["per_seq_s"]),
+        step=StepProfile(
+            s["mfu"], s["prefill_mfu"], s["hbm_efficiency"], s["per_step_s"], s["per_seq_s"], s["frontend_s"]
+        ),
         allreduce=_allreduce(d["allreduce"], key),
         tiers=tier_media(d["tiers"], f"{key}.tiers"),
         derived=tuple(derived),
