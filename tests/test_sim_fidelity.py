@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from simutil import config, run
+from simutil import TINY, config, run
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.compute import ComputeModel
@@ -122,6 +122,10 @@ def test_a_held_arrival_enters_when_nothing_runs(tmp_path):
     assert res["makespan_s"] == 4.0
 
 
+def _step_model_without(key):
+    return {k: v for k, v in TINY["hardware"]["step_model"].items() if k != key}
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -129,8 +133,14 @@ def test_a_held_arrival_enters_when_nothing_runs(tmp_path):
         ({"compute__scheduler_steps": True}, r"compute\.scheduler_steps: expected an integer"),
         ({"compute__frontend_s": -1.0}, r"compute\.frontend_s: must be >= 0"),
         ({"compute__prefill_mfu": 1.5}, r"compute\.prefill_mfu: must be in \(0, 1\]"),
-        ({"hardware__step_model": {"frontend_s": 0.0}}, r"hardware\.step_model\.prefill_mfu: required key is missing"),
-        ({"hardware__step_model": {"prefill_mfu": 0.5}}, r"hardware\.step_model\.frontend_s: required key is missing"),
+        (
+            {"hardware__step_model": _step_model_without("prefill_mfu")},
+            r"hardware\.step_model\.prefill_mfu: required key is missing$",
+        ),
+        (
+            {"hardware__step_model": _step_model_without("frontend_s")},
+            r"hardware\.step_model\.frontend_s: required key is missing$",
+        ),
     ],
 )
 def test_bad_fidelity_settings_name_the_key(changes, message):
