@@ -13,7 +13,7 @@ from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.guard import exclusive
 from tiered_kv.manager.invariants import check_ownership
 from tiered_kv.manager.manager_state import ManagerState
-from tiered_kv.manager.metrics import MetricsSnapshot, snapshot
+from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.states import MODES, Residency
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan
 
@@ -113,6 +113,22 @@ class Inspection(ManagerState):
     def cpu_room(self) -> int:
         """CPU store blocks a store could take now: free ones plus unpinned cached ones it may evict."""
         return self.store.num_free + self.store.num_evictable if self.store is not None else 0
+
+    @property
+    def counters(self) -> TierCounters:
+        """The manager's monotonic counters, live: every field reads what has happened so far.
+
+        Most are counted as things happen; the two whose owner is elsewhere are
+        read from it here (``plans_submitted`` from the copies in flight,
+        ``cpu_blocks_evicted`` from the CPU store's statistics), so no field
+        waits for a :meth:`metrics` snapshot.  The object is the manager's own:
+        take :meth:`metrics` (or ``counters.copy()``) for values that stay put.
+        """
+        c = self._counters
+        c.plans_submitted = self.transfers.submitted
+        if self.store is not None:
+            c.cpu_blocks_evicted = self.store.stats.evictions
+        return c
 
     @exclusive
     def metrics(self) -> MetricsSnapshot:

@@ -80,6 +80,9 @@ class Scheduler(Preempting):
         # allocate would change nothing and is skipped.  Dropped whenever the request's status changes
         # or a copy of its KV settles (then the manager's answer may differ); absent means "ask".
         self._quiet: dict[Hashable, int] = {}
+        # Requests that became runnable (admitted, resumed, their KV landed) and have not computed a step
+        # since: no victim until they have (see sched.preemption).  Membership only, never iterated.
+        self._fresh: set[Hashable] = set()
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
         self.copies_landed = 0
@@ -88,13 +91,30 @@ class Scheduler(Preempting):
 
     # --------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
-        """Queue a new request (no computed tokens)."""
+        """Queue a new request (no computed tokens).
+
+        Without chunked prefill a request must fit one step's token budget
+        whenever it is prefilled, and a recompute preemption prefills its
+        prompt and every token it has generated again: a request whose prompt
+        plus ``max_tokens - 1`` exceeds ``max_num_batched_tokens`` could never
+        be admitted again, so it is refused here (vLLM requires
+        ``max_num_batched_tokens >= max_model_len`` then, for the same reason).
+        """
         checks.instance("request", request, Request)
         rid = request.request_id
         if rid in self.requests:
             raise InvalidArgumentError(f"request {rid!r} was already added")
         if request.num_computed_tokens != 0 or request.is_finished:
             raise InvalidArgumentError(f"request {rid!r} must be new: no computed tokens, not finished")
+        cfg = self.config
+        longest = request.num_prompt_tokens + max(request.max_tokens - 1, 0)
+        if not cfg.chunked_prefill and longest > cfg.max_num_batched_tokens:
+            raise InvalidArgumentError(
+                f"request {rid!r}: with chunked_prefill=False a prefill must fit one step, and this request may "
+                f"need {longest} tokens at once ({request.num_prompt_tokens} prompt + up to "
+                f"{max(request.max_tokens - 1, 0)} generated, prefilled again after a recompute preemption) but "
+                f"max_num_batched_tokens is {cfg.max_num_batched_tokens}; enable chunked_prefill or raise the budget"
+            )
         self.requests[rid] = request
         self.status[rid] = S.WAITING
         self.waiting.append(request)
@@ -182,13 +202,15 @@ class Scheduler(Preempting):
                     req.num_computed_tokens = c.num_tokens
                     self.status[rid] = S.RUNNING
                     self.running.append(req)
+                    self._fresh.add(rid)
                 else:
                     self.status[rid] = S.SWAPPED
                     self.swapped.appendleft(req)
-            elif c.ok:  # onboarding landed: the loaded prefix counts as computed
-                req.num_computed_tokens += c.num_tokens
+            elif c.ok:  # onboarding landed: its GPU hits and the loaded prefix count as computed
+                req.num_computed_tokens = c.num_tokens
                 self.status[rid] = S.RUNNING
                 self.running.append(req)
+                self._fresh.add(rid)
             else:  # onboarding failed: the manager holds nothing; recompute from scratch
                 req.num_computed_tokens = 0
                 self.status[rid] = S.WAITING
@@ -213,6 +235,7 @@ class Scheduler(Preempting):
         skip = self.config.skip_quiet_allocations
         running = S.RUNNING
         plain = 0  # the tokens this loop batches, added to out.num_tokens once, after it
+        stalled: list[Request] = []  # fresh requests that found no room and waited
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -231,7 +254,7 @@ class Scheduler(Preempting):
             if c + n > quiet.get(rid, 0):
                 if allocate(rid, n) is None:
                     # The requests scheduled so far (the batch) are not victims this step.
-                    fits, promised = self._make_room(req, n, {r.request_id for r, _ in batch}, promised, out)
+                    fits, promised = self._make_room(req, n, {r.request_id for r, _ in batch}, promised, out, stalled)
                     if not fits:
                         continue
                 if skip:
@@ -249,6 +272,8 @@ class Scheduler(Preempting):
             if loads and rid in loads:
                 out.loads[rid] = loads[rid]
         out.num_tokens += plain
+        if stalled:
+            self._yield_if_stuck(stalled, out)
         if not out.preempted:
             budget = self._resume(out, budget)
         if not self.swapped and not out.preempted:
@@ -298,6 +323,7 @@ class Scheduler(Preempting):
                 break
             self.swapped.popleft()
             self._quiet.pop(rid, None)
+            self._fresh.add(rid)
             seats -= 1
             out.resumed.append(rid)
             if res.plan is not None and not layered:
@@ -346,6 +372,7 @@ class Scheduler(Preempting):
             seats -= 1
             rid = req.request_id
             self._quiet.pop(rid, None)
+            self._fresh.add(rid)
             req.num_computed_tokens = res.num_computed_tokens
             out.admitted.append(rid)
             mark = self._high_water.get(rid, 0)
@@ -401,10 +428,13 @@ class Scheduler(Preempting):
                 self._apply([self.tm.process_completion(h)])
         finished: list[Request] = []
         on_tokens_computed = self.tm.on_tokens_computed
+        fresh = self._fresh
         for req, n in out.scheduled:
             rid = req.request_id
             if status.get(rid) is not running or (failed and rid in failed):
                 continue  # its load failed (or it was aborted meanwhile): this step did not count
+            if fresh:
+                fresh.discard(rid)  # it made progress: it may be preempted again
             c = req.num_computed_tokens
             req.num_computed_tokens = c + n
             if c < req.num_prompt_tokens:
@@ -430,6 +460,7 @@ class Scheduler(Preempting):
         self._high_water.pop(rid, None)
         self._loads.pop(rid, None)
         self._arriving.discard(rid)
+        self._fresh.discard(rid)
 
     def check_consistency(self) -> None:
         """Assert that queues, statuses and the manager's residencies agree (for tests)."""

@@ -52,6 +52,10 @@ class ControlledCopyEngine:
         self.submitted.append(plan)
         return handle
 
+    def tier_sizes(self) -> dict[str, int] | None:
+        """Medium name -> blocks that plans are validated against (``None``: plans are not validated)."""
+        return dict(self.num_blocks) if self.num_blocks is not None else None
+
     def pending_ids(self) -> list[int]:
         """Plan ids not yet final, in submission order."""
         return list(self.pending)
