@@ -12,7 +12,7 @@ from poolutil import letters
 
 import tiered_kv.manager as manager_pkg
 from tiered_kv.core import Request
-from tiered_kv.errors import InvalidArgumentError, TieredKVError
+from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, TieredKVError
 from tiered_kv.manager import BoundedLog, CostModel, PlanKind, PreemptMode, Residency, TierManager
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import KVSpec
@@ -120,6 +120,26 @@ def test_an_engine_whose_tiers_fit_is_accepted_and_a_controlled_engine_is_checke
     assert TierManager(32, 32, 4, ControlledCopyEngine(), cost_model=cm).store is not None  # unvalidated: unchecked
 
 
+def test_a_failed_copy_says_why_in_its_completion():
+    tm, eng = make_tm()
+    run(tm, "a", "abcdefghi")
+    p = tm.preempt("a", "swap")
+    assert p is not None and p.plan is not None
+    eng.fail(p.plan.plan_id, "DMA error")
+    (c,) = tm.poll()
+    assert (c.kind, c.ok, c.residency, c.error) == (
+        PlanKind.SWAP_OUT,
+        False,
+        Residency.GPU,
+        f"TransferError: plan {p.plan.plan_id}: DMA error",
+    )
+    assert tm.residency("a") is Residency.GPU and tm.counters.plans_failed == 1
+    p = tm.preempt("a", "swap")
+    assert p is not None and p.plan is not None
+    (c,) = settle(tm, eng)
+    assert c.ok and c.error is None
+
+
 # ------------------------------------------------ item 13: counters are live
 def test_counters_read_what_happened_without_a_metrics_snapshot():
     tm, eng = make_tm(offload="write_through")
@@ -167,3 +187,24 @@ def test_log_size_is_checked_and_none_keeps_everything():
         tm.preempt(f"r{i}", "recompute")
     assert tm.decision_log.capacity is None and len(tm.decision_log) == 4 and tm.decision_log.dropped == 0
     assert tm.load_log == [] and tm.load_log.capacity is None
+
+
+# ------------------------------- item 8: what a resume would take, before it is tried
+def test_blocks_to_resume_counts_free_cached_hits_and_new_blocks_but_not_shared_hits():
+    tm, eng = make_tm(gpu=9, cpu=9)
+    req = run(tm, "a", "abcdefghi")  # 9 tokens: blocks "abcd", "efgh" (cached) and a partial tail
+    run(tm, "b", "abcdz")  # shares "abcd"
+    p = tm.preempt("a", "swap")
+    assert p is not None and p.plan is not None
+    settle(tm, eng)
+    free = tm.num_free_gpu_blocks()
+    before = tm_snapshot(tm)
+    # "abcd" is held by b (no free block), "efgh" is cached and free (it leaves the free queue), the
+    # tail is a new block; a 10th token still fits the tail, the 13th needs a fourth block.
+    assert tm.blocks_to_resume("a") == 2 and tm.blocks_to_resume("a", 1) == 2
+    assert tm.blocks_to_resume("a", 4) == 3
+    assert tm_snapshot(tm) == before
+    res = tm.resume("a")
+    assert res is not None and tm.num_free_gpu_blocks() == free - 2 and req.num_computed_tokens == 9
+    with pytest.raises(InvalidTransitionError):
+        tm.blocks_to_resume("a")

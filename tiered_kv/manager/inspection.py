@@ -65,6 +65,23 @@ class Inspection(ManagerState):
         return max(need - self.gpu.block_pool.get_num_free_blocks(), 0)
 
     @exclusive
+    def blocks_to_resume(self, request_id: Hashable, num_new_tokens: int = 0) -> int:
+        """Free GPU blocks that ``resume`` and then ``allocate(num_new_tokens)`` of a swapped request would take now.
+
+        Its blocks still cached on the GPU count only if no one holds them (a
+        free cached block leaves the free queue when it is hit again); the rest
+        are new blocks.  A scheduler resumes a request only when this fits, as
+        vLLM resumes one only with room for the tokens it computes next, so a
+        resumed request is not left holding its KV unable to take one step.
+        """
+        h = self._get(request_id, Residency.CPU)
+        checks.count("num_new_tokens", num_new_tokens)
+        assert self._swap is not None and h.swapped is not None
+        hits = self._swap.gpu_hits(h.request, h.swapped)
+        total = -(-(h.swapped.num_tokens + num_new_tokens) // self.block_size)
+        return total - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
+
+    @exclusive
     def blocks_freed_on_completion(self) -> int:
         """GPU blocks that copies in flight will free when they settle (swap-outs, saves before eviction).
 

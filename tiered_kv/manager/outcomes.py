@@ -140,6 +140,9 @@ class Completion:
             and for the kinds that do not change progress (swap-out, offload).
         residency: Where the request's KV is now (``None``: nowhere).
         num_bytes / elapsed_s: What the engine moved, and how long it took.
+        error: Why a failed or cancelled copy did not land, in the engine's words
+            (``None`` when it landed, or when it landed but was rolled back
+            because a block it relied on did not).
     """
 
     plan_id: int
@@ -150,3 +153,4 @@ class Completion:
     residency: Residency | None
     num_bytes: int = 0
     elapsed_s: float = 0.0
+    error: str | None = None

@@ -106,7 +106,9 @@ class Settling(ManagerState):
         n = t.plan.num_blocks
         self._counters.count_copy(kind, n, n * self.cost_model.bytes_per_block, ok, t.cancelled)
         res = self._held[rid].residency if rid in self._held else None
-        return Completion(t.plan.plan_id, rid, kind, ok, n_tok, res, t.handle.num_bytes, t.handle.elapsed_s)
+        err = t.handle.error
+        why = None if err is None else f"{type(err).__name__}: {err}"
+        return Completion(t.plan.plan_id, rid, kind, ok, n_tok, res, t.handle.num_bytes, t.handle.elapsed_s, why)
 
     def _settle_staged(self, t: Transfer) -> Completion | None:
         """A move of the chain settled; the last staging move of a load starts its GPU copy, or ends the load."""

@@ -21,9 +21,13 @@ admitted requests:
    manager would serve without changing anything (a decode token landing in
    a block the request holds, filling none: ``TierManager.quiet_tokens``)
    skips the manager call; that is most decode steps.
-3. Swapped requests resume, oldest first, unless this step preempted.  With
-   ``layerwise`` a resumed request is scheduled in the same step, computing
-   while its KV lands layer by layer (``SchedulerOutput.loads``).
+3. Swapped requests resume, oldest first, unless this step preempted.  One
+   whose KV is whole on the GPU at once (every block still cached there) is
+   scheduled in the same step, as vLLM schedules a resumed request; with
+   ``layerwise`` so is one whose KV is still landing, computing while it
+   lands layer by layer (``SchedulerOutput.loads``).  A request computes
+   between two preemptions: one that became runnable and has not computed
+   since is never a victim (:mod:`.preemption`).
 4. Waiting requests are admitted (FCFS, or by priority), unless requests are
    swapped out or this step preempted.
 
@@ -318,6 +322,8 @@ class Scheduler(Preempting):
             rid = req.request_id
             if self.status[rid] is not S.SWAPPED:
                 break  # oldest first: wait for its swap-out to land
+            if self.tm.blocks_to_resume(rid, self._next_tokens(req, budget)) > self.tm.num_free_gpu_blocks():
+                break  # no room for its KV and its next step yet: resumed, it could not run
             res = self.tm.resume(rid, layered=layered)
             if res is None:
                 break
@@ -337,11 +343,22 @@ class Scheduler(Preempting):
                 handle = self.tm.handle(res.plan.plan_id)
                 assert handle is not None
                 self._loads[rid] = handle
-                budget = self._start_loaded(out, req, budget)
+            budget = self._start_resumed(out, req, budget)
         return budget
 
-    def _start_loaded(self, out: SchedulerOutput, req: Request, budget: int) -> int:
-        """Schedule a request in the step its layer-wise load starts, if its tokens fit now."""
+    def _next_tokens(self, req: Request, budget: int) -> int:
+        """Tokens the request computes in its next step: the rest of its tokens, chunked to the budget (>= 1)."""
+        n = len(req.all_token_ids) - req.num_computed_tokens
+        return min(n, max(budget, 1)) if self.config.chunked_prefill else n
+
+    def _start_resumed(self, out: SchedulerOutput, req: Request, budget: int) -> int:
+        """Schedule a request in the step it resumes (its KV whole on the GPU, or landing layer by layer).
+
+        As vLLM schedules a resumed request in the step that resumes it: it
+        makes progress before anything can preempt it again.  Skipped when its
+        tokens do not fit the budget or the pool now; it then runs in a later
+        step, still protected until it has computed (see :mod:`.preemption`).
+        """
         n = len(req.all_token_ids) - req.num_computed_tokens
         if n > budget:
             if not self.config.chunked_prefill or budget <= 0:
@@ -350,7 +367,9 @@ class Scheduler(Preempting):
         if self.tm.allocate(req.request_id, n) is None:
             return budget  # runs in a later step, once its load has landed or room is made
         self._add(out, req, n)
-        out.loads[req.request_id] = self._loads[req.request_id]
+        rid = req.request_id
+        if rid in self._loads:
+            out.loads[rid] = self._loads[rid]
         return budget - n
 
     def _next_waiting(self) -> Request:
