@@ -109,8 +109,12 @@ class ComputeModel:
     def allreduce_time(self, num_tokens: int) -> float:
         """Two all-reduces of the step's hidden states per layer (tensor parallelism only)."""
         m = self.model
+        if m.tensor_parallel <= 1:
+            return 0.0
+        ar = self.hw.allreduce
+        assert ar is not None, "profiles.check_pair refuses a tensor-parallel model on a profile without allreduce"
         nbytes = num_tokens * m.allreduce_bytes_per_token
-        return 2 * m.num_layers * self.hw.allreduce.seconds(nbytes, m.tensor_parallel)
+        return 2 * m.num_layers * ar.seconds(nbytes, m.tensor_parallel)
 
     def prefill_tokens_per_s(self) -> float:
         """Linear prefill throughput at the compute roof (for the manager's cost model)."""

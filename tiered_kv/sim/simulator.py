@@ -102,7 +102,7 @@ class Simulator:
         progress: Called now and then with (finished, total, simulated seconds).
         usage_points: About how many memory-usage samples the results keep.
         keep_timeline: Keep every step and copy (:attr:`steps`, ``engine.jobs``),
-            for ``--trace``.
+            for ``--timeline``.
         fast_path: Let the scheduler skip the manager calls that would change
             nothing (``SchedulerConfig.skip_quiet_allocations``).  Decisions and
             results are the same either way; ``False`` runs the plain path that
@@ -311,9 +311,11 @@ class Simulator:
                 finished = len(records) - sched.num_unfinished
                 if end >= next_usage:
                     m = sched.metrics()
-                    # distinct prefixes cached on the CPU (held or free), as a fraction of the tier
+                    # held: pinned by a swapped request or a load, or being written (cannot be evicted);
+                    # fill: every block the CPU tier caches, held or evictable.  Both are fractions of the tier.
+                    held = m.cpu_pinned_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
                     fill = m.cpu_cached_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
-                    usage.append((end, m.gpu_usage, m.cpu_usage, fill))
+                    usage.append((end, m.gpu_usage, held, fill))
                     next_usage = end + usage_dt
                     if (
                         len(usage) >= 2 * self.usage_points
@@ -423,7 +425,7 @@ class Simulator:
             },
             "tiers": st.tiers.describe(),
             **tier_io.results(m, self.tier_engines),
-            # [time, GPU usage, CPU usage (held), CPU prefix-cache fill]
+            # [time, GPU usage, CPU blocks held (swapped, loading, being written), CPU tier fill], fractions
             "usage": [[round(x, 6) for x in u] for u in usage[::stride]],
             "latency_samples": {"ttft_s": sorted(ttft), "e2e_s": sorted(e2e)},
         }
