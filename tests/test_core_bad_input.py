@@ -131,6 +131,38 @@ CASES = [
         "cover 2 tokens",
         lambda m, r: m.allocate_slots(Request("new", letters("aab")), 1, 1, [m.block_pool.blocks[1]]),
     ),
+    (
+        "the first hit block given twice",
+        InvalidArgumentError,
+        r"new_computed_blocks\[1\] \(block 1\) is not cached under the request's block 1 hash",
+        lambda m, r: m.allocate_slots(Request("new", letters("aabbq")), 1, 4, [m.block_pool.blocks[1]] * 2),
+    ),
+    (
+        "hits in the wrong order",
+        InvalidArgumentError,
+        r"new_computed_blocks\[0\] \(block 2\) is not cached under the request's block 0 hash",
+        lambda m, r: m.allocate_slots(
+            Request("new", letters("aabbq")), 1, 4, [m.block_pool.blocks[2], m.block_pool.blocks[1]]
+        ),
+    ),
+    (
+        "a hit of another prefix",
+        InvalidArgumentError,
+        r"new_computed_blocks\[0\] \(block 1\) is not cached",
+        lambda m, r: m.allocate_slots(Request("new", letters("xxq")), 1, 2, [m.block_pool.blocks[1]]),
+    ),
+    (
+        "more hits than the request has full blocks",
+        InvalidArgumentError,
+        "2 new_computed_blocks but the request has only 1 full blocks",
+        lambda m, r: m.allocate_slots(Request("new", letters("aab")), 1, 4, [m.block_pool.blocks[1]] * 2),
+    ),
+    (
+        "a restore from a block cached under another hash",
+        InvalidArgumentError,
+        r"computed_blocks\[0\] \(block 2\) is not cached under the request's block 0 hash",
+        lambda m, r: m.restore(Request("new", letters("aabbq")), [m.block_pool.blocks[2]], 4),
+    ),
 ]
 
 

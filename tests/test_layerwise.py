@@ -17,10 +17,11 @@ from tiered_kv.core import Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, PlanError
 from tiered_kv.manager import CostModel, PreemptMode, Residency, TierManager
 from tiered_kv.sched import RequestStatus, Scheduler, SchedulerConfig
+from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.transfer import ControlledCopyEngine
 from tiered_kv.transfer.cpu_engine import CpuCopyEngine
-from tiered_kv.transfer.plan import PlanKind
+from tiered_kv.transfer.plan import PlanKind, TransferPlan, TransferStatus
 
 SPEC = KVSpec(3, 1, 2, "float32", 4)
 
@@ -337,3 +338,61 @@ def test_a_gated_store_is_copied_only_once_its_layers_are_open():
     with pytest.raises(InvalidArgumentError, match="num_tokens_after_step"):
         tm.start_layerwise_store("A", 99)
     assert tm.plans_in_flight() == []
+
+
+def test_cancel_after_one_layer_landed_settles_the_load_as_failed_with_its_kv_on_the_cpu():
+    s, eng = sched()
+    out = to_resume(s, eng)
+    tm, h = s.tm, out.loads["B"]
+    cpu_ids = tm.cpu_block_ids("B")
+    eng.complete_layer(h.plan.plan_id, 0)  # one layer landed, two to go
+    assert tm.cancel("B") is True
+    assert h.status is TransferStatus.CANCELLED and eng.pending_ids() == []
+    with pytest.raises(PlanError):
+        eng.complete(h.plan.plan_id)  # settled: nothing is left to finish
+    assert tm.residency("B") is Residency.CPU and tm.cpu_block_ids("B") == cpu_ids
+    assert tm.plans_in_flight() == [] and tm.num_free_gpu_blocks() == 6
+    assert tm.counters.plans_cancelled == 1
+    tm.check_invariants()
+    res = tm.resume("B")  # the KV is still whole on the CPU: it resumes, and this time lands
+    assert res is not None and res.plan is not None
+    eng.complete(res.plan.plan_id)
+    (c,) = tm.poll()
+    assert (c.kind, c.ok, c.residency) == (PlanKind.SWAP_IN, True, Residency.GPU)
+
+
+def test_abort_after_one_layer_landed_frees_the_request_at_once():
+    s, eng = sched()
+    out = to_resume(s, eng)
+    h = out.loads["B"]
+    eng.complete_layer(h.plan.plan_id, 0)
+    s.abort("B")  # the cancel answers and settles: nothing is left waiting for a copy nobody can finish
+    assert h.status is TransferStatus.CANCELLED and "B" not in s.requests
+    s.update(out, {})
+    assert s.tm.requests() == list(s.requests) and "B" not in s.tm.requests() and s.tm.plans_in_flight() == []
+    s.check_consistency()
+    s.tm.check_invariants()
+    while s.num_unfinished:
+        step(s, eng, s.schedule())
+    assert s.tm.num_free_gpu_blocks() == 6
+
+
+@pytest.mark.parametrize("landed", [0, 1, 2])
+def test_cpu_engine_cancel_of_a_partly_landed_layerwise_plan_ends_it_cancelled(landed):
+    tiers = {"GPU": KVStorage(SPEC, 4, "GPU", device="cpu"), "CPU": KVStorage(SPEC, 4, "CPU")}
+    gate, inside = threading.Event(), threading.Event()
+
+    def hook(plan, layer):
+        if layer == landed:
+            inside.set()
+            gate.wait(5)
+
+    with CpuCopyEngine(tiers, layer_hook=hook) as eng:
+        h = eng.submit(TransferPlan(1, "CPU", "GPU", (1, 2), (1, 2), PlanKind.SWAP_IN, "A", num_layers=3))
+        assert inside.wait(5)  # layers before `landed` have landed; `landed` is being copied
+        assert [h.layer_done(i) for i in range(3)] == [i < landed for i in range(3)]
+        assert eng.cancel(h) is True
+        gate.set()
+        assert not h.wait(5) and h.done() and h.status is TransferStatus.CANCELLED
+        # The worker was inside layer `landed` when the cancel came: it stops at the next layer boundary.
+        assert [h.layer_done(i) for i in range(3)] == [i <= landed for i in range(3)]

@@ -31,6 +31,15 @@ from tiered_kv.sched import Scheduler
 from tiered_kv.transfer.plan import PlanKind
 
 DOCS = pathlib.Path(__file__).parents[1] / "docs" / "metrics.md"
+
+
+class FloorCost(CostModel):
+    """A cost model whose recompute has a floor even for no tokens: "auto" then picks swap for nothing."""
+
+    def recompute_time(self, context_len: int) -> float:
+        return 1.0
+
+
 SLOW_LINK = CostModel(kv_bytes_per_token=1024, block_size=4, d2h_bytes_per_s=1.0, h2d_bytes_per_s=1.0)
 
 
@@ -64,8 +73,8 @@ SCENARIOS = {
         (PreemptMode.RECOMPUTE, "cpu_full", "recompute: the CPU tier has no room for 2 blocks although swapping"),
     ),
     "no_cpu_tier": (("auto", True, {"cpu": 0}), (PreemptMode.RECOMPUTE, "no_cpu_tier", "recompute: there is no CPU")),
-    "nothing_computed": (
-        ("swap", False, {}),
+    "nothing_computed": (  # a forced swap of nothing is refused (None); "auto" recomputes when swap looked cheaper
+        ("auto", False, {"cost_model": FloorCost(kv_bytes_per_token=1024, block_size=4)}),
         (PreemptMode.RECOMPUTE, "nothing_computed", "nothing is computed yet"),
     ),
     "swap_requested": (("swap", True, {}), (PreemptMode.SWAP, "requested", "swap requested")),

@@ -56,13 +56,9 @@ def test_blocking_the_step_waits_for_every_copy_issued_before_it():
     # The step issued at 1.0 runs 1.75-2.75; the swap-in at 6.75 holds B's step until 7.0.
     assert sim.loop.trace == [
         *HEAD,
-        (2.75, "resume", 1),
         (2.75, "step", ((0, 1),)),
-        (3.75, "preempt_swap", 1),
         (3.75, "step", ((0, 1),)),
-        (4.75, "resume", 1),
         (4.75, "step", ((0, 1),)),
-        (5.75, "preempt_swap", 1),
         (5.75, "step", ((0, 1),)),
         (6.75, "finish", 0),
         (6.75, "transfer_start", (2, "swap_in", "H2D", 1, 7.0)),
@@ -84,13 +80,9 @@ def test_layerwise_a_swap_in_runs_in_the_next_step_layer_by_layer():
     # 6.125 and 6.25, so the step ends at max(6 + 1, 6 + 0.125 + 1, 6.25 + 0.5) = 7.125.
     assert sim.loop.trace == [
         *HEAD,
-        (2.0, "resume", 1),
         (2.0, "step", ((0, 1),)),
-        (3.0, "preempt_swap", 1),
         (3.0, "step", ((0, 1),)),
-        (4.0, "resume", 1),
         (4.0, "step", ((0, 1),)),
-        (5.0, "preempt_swap", 1),
         (5.0, "step", ((0, 1),)),
         (6.0, "finish", 0),
         (6.0, "transfer_start", (2, "swap_in", "H2D", 1, 6.25)),

@@ -48,7 +48,7 @@ def test_request_rows_match_the_event_trace():
             "id": 1,
             "rid": 1,
             "finish": 11.25,
-            "preemptions_swap": 3,  # at 1, 3 and 5; only the first one copies
+            "preemptions_swap": 1,  # at 1; it resumes only at 6, with room to run
             "preemptions_recompute": 0,
             "swap_out_bytes": 3 * 1024,
             "swap_in_bytes": 1024,  # the block the GPU evicted for A at t=5

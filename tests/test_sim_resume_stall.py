@@ -1,4 +1,4 @@
-"""A request resumed without a copy, when nothing else is pending, runs in the next step instead of ending the run."""
+"""A request resumed without a copy, when nothing else is pending, runs at once instead of ending the run."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from simutil import config, run
 
 
 def test_a_resume_with_nothing_in_flight_is_progress_not_a_stall():
-    # Request 3 is swapped out to make room; when the swap-out lands its blocks are still cached on
-    # the GPU, so it resumes with no copy, after that step's batch was picked.  Nothing else is
-    # pending then: the run used to stop with "no progress" here.
+    # A request swapped out to make room whose blocks are still cached on the GPU when it comes back
+    # resumes with no copy.  Nothing else may be pending then: the run used to stop with "no
+    # progress" here.
     cfg = config(
         workload__num_requests=24,
         workload__arrival={"process": "poisson", "rate": 4.0},
@@ -20,5 +20,7 @@ def test_a_resume_with_nothing_in_flight_is_progress_not_a_stall():
     res, sim = run(cfg, trace=True)
     assert res["requests_finished"] == 24
     trace = sim.loop.trace
-    i = trace.index((31.25, "resume", 3))
-    assert trace[i + 1] == (31.25, "step", ((3, 1),))  # the same instant, the next step
+    # Request 2 comes back at 28.5 with every block still cached (no swap-in is started for it) and
+    # is computed in the step it resumes in, at the same instant, as vLLM schedules a resumed request.
+    i = trace.index((28.5, "resume", 2))
+    assert trace[i - 1] == (28.5, "finish", 5) and trace[i + 1] == (28.5, "step", ((2, 1),))

@@ -252,7 +252,7 @@ def test_a_request_computed_right_after_allocate_never_corrupts_the_cpu_tier():
                 (c,) = [c for c in tm.poll() if c.request_id == rid]
                 if not c.ok:
                     continue
-                req.num_computed_tokens += c.num_tokens
+                req.num_computed_tokens = c.num_tokens  # its progress now: GPU hits and the loaded prefix
                 assert tm.allocate(rid, req.num_tokens - req.num_computed_tokens) is not None
             kv.compute(tm, req, req.num_tokens)  # computed at once, as after any successful allocation
             req.num_computed_tokens = req.num_tokens

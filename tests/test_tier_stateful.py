@@ -72,7 +72,7 @@ class TierMachine(RuleBasedStateMachine):
                 assert c.num_tokens == req.num_computed_tokens  # a swap keeps all of the KV
             elif c.kind is PlanKind.ONBOARD:
                 if c.ok:
-                    req.num_computed_tokens += c.num_tokens
+                    req.num_computed_tokens = c.num_tokens  # its progress now: GPU hits and the loaded prefix
                 else:  # the manager holds nothing for it now: it would be recomputed from scratch
                     del self.reqs[c.request_id]
 

@@ -279,6 +279,7 @@ class KVCacheManager:
                     f"request {rid!r}: {len(computed)} computed blocks cover {len(computed) * bs} tokens, "
                     f"not num_new_computed_tokens={n_comp}"
                 )
+            self._check_prefix_hits(request, "new_computed_blocks", computed)
         num_computed = request.num_computed_tokens + n_comp
         total = num_computed + n_tokens + n_ahead
         if self.max_model_len is not None:
@@ -336,6 +337,31 @@ class KVCacheManager:
             hits = self.block_pool.check_own_blocks("new_computed_blocks", new_computed_blocks)
         return request, n_tokens, n_comp, hits, n_ahead, delay
 
+    def _check_prefix_hits(self, request: Request, name: str, hits: list[KVCacheBlock]) -> None:
+        """Raise unless ``hits[i]`` is cached under the request's own ``i``-th block hash, for every ``i``.
+
+        A hit maps the request's positions onto the hit's KV: a block cached
+        under another hash (another prefix, or the same hit given twice) would
+        make the request attend to KV that is not its own.  Checked before any
+        change; hashing the request's full blocks here changes no pool state.
+        """
+        rid = request.request_id
+        if not self.enable_caching:
+            raise InvalidArgumentError(f"request {rid!r}: {name} given with prefix caching off (nothing is cached)")
+        hashes = request.block_hashes
+        if len(hashes) < len(hits):
+            hashes = self.hasher.update(request)
+        if len(hits) > len(hashes):
+            raise InvalidArgumentError(
+                f"request {rid!r}: {len(hits)} {name} but the request has only {len(hashes)} full blocks"
+            )
+        for i, b in enumerate(hits):
+            if b.block_hash is None or b.block_hash != hashes[i]:
+                raise InvalidArgumentError(
+                    f"request {rid!r}: {name}[{i}] (block {b.block_id}) is not cached under the request's "
+                    f"block {i} hash: hits must be the request's own cached prefix, in order"
+                )
+
     def cache_blocks(self, request: object, num_computed_tokens: object) -> None:
         """Cache every full block of ``request`` within its first ``num_computed_tokens`` tokens.
 
@@ -391,8 +417,8 @@ class KVCacheManager:
                 f"request {rid!r}: {len(hits)} cached blocks and {n_tokens} tokens do not fit "
                 f"a request of {request.num_tokens} tokens"
             )
-        if any(b.block_hash is None for b in hits):
-            raise InvalidArgumentError(f"request {rid!r}: computed_blocks must be cached prefix hits")
+        if hits:
+            self._check_prefix_hits(request, "computed_blocks", hits)
         n_new = -(-n_tokens // bs) - len(hits)
         pool = self.block_pool
         if n_new + sum(1 for b in hits if b.ref_cnt == 0) > pool.free_block_queue.num_free_blocks:

@@ -1,5 +1,6 @@
 """Layer 2: where KV lives.  The tier manager, the CPU store, copies in flight, pricing and victim policies."""
 
+from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.cost_model import DEFAULT_TIER_LINKS, CostModel, TierLink
 from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.metrics import LowerTierCounters, MetricsSnapshot, TierCounters
@@ -19,12 +20,14 @@ from tiered_kv.manager.pricing import LoadQuote, Quote
 from tiered_kv.manager.states import PreemptMode, Residency
 from tiered_kv.manager.store import BlockStore, LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEvent
 from tiered_kv.manager.tier_manager import TierManager
+from tiered_kv.transfer.plan import PlanKind
 
 __all__ = [
     "DEFAULT_TIER_LINKS",
     "POLICIES",
     "Admission",
     "BlockStore",
+    "BoundedLog",
     "CPUStore",
     "Candidate",
     "Completion",
@@ -39,6 +42,7 @@ __all__ = [
     "LookupResult",
     "LowerTierCounters",
     "MetricsSnapshot",
+    "PlanKind",
     "PreemptMode",
     "Preemption",
     "PrefillAwarePolicy",

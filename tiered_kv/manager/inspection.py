@@ -13,7 +13,7 @@ from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.guard import exclusive
 from tiered_kv.manager.invariants import check_ownership
 from tiered_kv.manager.manager_state import ManagerState
-from tiered_kv.manager.metrics import MetricsSnapshot, snapshot
+from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.states import MODES, Residency
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan
 
@@ -65,6 +65,23 @@ class Inspection(ManagerState):
         return max(need - self.gpu.block_pool.get_num_free_blocks(), 0)
 
     @exclusive
+    def blocks_to_resume(self, request_id: Hashable, num_new_tokens: int = 0) -> int:
+        """Free GPU blocks that ``resume`` and then ``allocate(num_new_tokens)`` of a swapped request would take now.
+
+        Its blocks still cached on the GPU count only if no one holds them (a
+        free cached block leaves the free queue when it is hit again); the rest
+        are new blocks.  A scheduler resumes a request only when this fits, as
+        vLLM resumes one only with room for the tokens it computes next, so a
+        resumed request is not left holding its KV unable to take one step.
+        """
+        h = self._get(request_id, Residency.CPU)
+        checks.count("num_new_tokens", num_new_tokens)
+        assert self._swap is not None and h.swapped is not None
+        hits = self._swap.gpu_hits(h.request, h.swapped)
+        total = -(-(h.swapped.num_tokens + num_new_tokens) // self.block_size)
+        return total - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
+
+    @exclusive
     def blocks_freed_on_completion(self) -> int:
         """GPU blocks that copies in flight will free when they settle (swap-outs, saves before eviction).
 
@@ -113,6 +130,22 @@ class Inspection(ManagerState):
     def cpu_room(self) -> int:
         """CPU store blocks a store could take now: free ones plus unpinned cached ones it may evict."""
         return self.store.num_free + self.store.num_evictable if self.store is not None else 0
+
+    @property
+    def counters(self) -> TierCounters:
+        """The manager's monotonic counters, live: every field reads what has happened so far.
+
+        Most are counted as things happen; the two whose owner is elsewhere are
+        read from it here (``plans_submitted`` from the copies in flight,
+        ``cpu_blocks_evicted`` from the CPU store's statistics), so no field
+        waits for a :meth:`metrics` snapshot.  The object is the manager's own:
+        take :meth:`metrics` (or ``counters.copy()``) for values that stay put.
+        """
+        c = self._counters
+        c.plans_submitted = self.transfers.submitted
+        if self.store is not None:
+            c.cpu_blocks_evicted = self.store.stats.evictions
+        return c
 
     @exclusive
     def metrics(self) -> MetricsSnapshot:

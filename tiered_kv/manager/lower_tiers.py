@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.request import Request
+from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE, BoundedLog
 from tiered_kv.manager.chain_api import TierMove, check_tiers
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.cpu_store import CPUStore
@@ -117,6 +118,7 @@ class LowerTiers:
         transfers: Transfers,
         offloader: Offloader,
         cost_model: CostModel,
+        log_size: int | None = DEFAULT_LOG_SIZE,
     ) -> None:
         self.chain, self.engines, self.links = check_tiers(chain, store, engines, links)
         self.store = store
@@ -127,7 +129,7 @@ class LowerTiers:
         self.media = tuple(s.medium for s in self.chain.stores)
         self.counters = {m: LowerTierCounters() for m in self.media[1:]}
         self.lost_blocks = 0
-        self.decisions: list[LoadDecision] = []
+        self.decisions: BoundedLog[LoadDecision] = BoundedLog(log_size)  # the latest; the rest are counted
         self.demoter = Demoter(self.chain, store, self._submit)
         self._jobs: dict[Hashable, Job] = {}
         store.enable_events = True  # its stores feed write-through, its evictions the count of blocks lost

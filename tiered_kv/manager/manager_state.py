@@ -19,6 +19,7 @@ from tiered_kv import checks
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
+from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.lower_tiers import LowerTiers
@@ -41,6 +42,7 @@ class Held:
     swapped: SwappedKV | None = None  # the pinned CPU copy while swapped out or swapping in
     num_stored_blocks: int = 0  # write-through progress (prompt blocks)
     layered: bool = False  # a layer-wise swap-in: computing while its KV lands layer by layer
+    num_hit_tokens: int = 0  # while LOADING: its prefix found on the GPU at admission (computed already)
 
 
 class ManagerState:
@@ -55,8 +57,8 @@ class ManagerState:
     offload: str
     evict_window: int
     transfers: Transfers
-    counters: TierCounters
-    decision_log: list[Decision]
+    _counters: TierCounters  # read through the live ``counters`` property (:mod:`.inspection`)
+    decision_log: BoundedLog[Decision]
     _swap: Swapper | None
     _bounds: PreemptBounds
     _off: Offloader | None

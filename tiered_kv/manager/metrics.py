@@ -33,11 +33,11 @@ class TierCounters:
     onboard_bytes: int = 0
     offload_blocks: int = 0
     offload_bytes: int = 0
-    plans_submitted: int = 0  # filled in from the copies in flight when a snapshot is taken
+    plans_submitted: int = 0  # read from the copies in flight by TierManager.counters and snapshots
     plans_failed: int = 0
     plans_cancelled: int = 0
     gpu_blocks_evicted: int = 0  # cached GPU blocks whose data was dropped when the block was handed out
-    cpu_blocks_evicted: int = 0  # filled in from the store's statistics when a snapshot is taken
+    cpu_blocks_evicted: int = 0  # read from the store's statistics by TierManager.counters and snapshots
     gpu_query_tokens: int = 0
     gpu_hit_tokens: int = 0
     cpu_query_tokens: int = 0

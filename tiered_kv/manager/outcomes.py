@@ -124,15 +124,25 @@ class Completion:
 
     Attributes:
         plan_id / kind: The plan.
-        request_id: Whose KV moved (``None`` for cache offloads).
+        request_id: Whose KV moved: the request of a swap or an onboarding,
+            and of a write-through OFFLOAD (the request whose computed prompt
+            blocks were stored); ``None`` only for an on-evict save, which
+            stores cached blocks no request holds.
         ok: Whether it succeeded.  A failed or cancelled copy left the KV where
             it was: a failed swap-out leaves the request on the GPU, a failed
             swap-in leaves it on the CPU, a failed onboarding leaves it with
             nothing (recompute from scratch).
-        num_tokens: For a successful swap-in: the request's progress now; for a
-            successful onboarding: tokens now computed in addition; otherwise 0.
+        num_tokens: One meaning for every kind: the request's progress now, i.e.
+            the tokens of KV it has on the GPU, counted from its first token (a
+            scheduler sets ``num_computed_tokens`` to it).  For a swap-in: all
+            of its KV; for an onboarding: its GPU prefix hits plus the tokens
+            that landed (the hits alone if nothing did); 0 for a failed copy
+            and for the kinds that do not change progress (swap-out, offload).
         residency: Where the request's KV is now (``None``: nowhere).
         num_bytes / elapsed_s: What the engine moved, and how long it took.
+        error: Why a failed or cancelled copy did not land, in the engine's words
+            (``None`` when it landed, or when it landed but was rolled back
+            because a block it relied on did not).
     """
 
     plan_id: int
@@ -143,3 +153,4 @@ class Completion:
     residency: Residency | None
     num_bytes: int = 0
     elapsed_s: float = 0.0
+    error: str | None = None

@@ -87,7 +87,8 @@ class Settling(ManagerState):
             h.plan_id, h.layered = None, False
             swap = self._swap
             if kind is PlanKind.ONBOARD:
-                n_tok = self._off.settle_load(h.request, t)  # type: ignore[union-attr]
+                loaded = self._off.settle_load(h.request, t)  # type: ignore[union-attr]
+                n_tok = h.num_hit_tokens + loaded if ok else 0
                 new = Residency.GPU if ok else None  # a failed load leaves nothing: recompute from scratch
             elif kind is PlanKind.SWAP_OUT:
                 h.swapped = swap.settle_out(t)  # type: ignore[union-attr]
@@ -102,9 +103,11 @@ class Settling(ManagerState):
             else:
                 h.residency = new
         n = t.plan.num_blocks
-        self.counters.count_copy(kind, n, n * self.cost_model.bytes_per_block, ok, t.cancelled)
+        self._counters.count_copy(kind, n, n * self.cost_model.bytes_per_block, ok, t.cancelled)
         res = self._held[rid].residency if rid in self._held else None
-        return Completion(t.plan.plan_id, rid, kind, ok, n_tok, res, t.handle.num_bytes, t.handle.elapsed_s)
+        err = t.handle.error
+        why = None if err is None else f"{type(err).__name__}: {err}"
+        return Completion(t.plan.plan_id, rid, kind, ok, n_tok, res, t.handle.num_bytes, t.handle.elapsed_s, why)
 
     def _settle_staged(self, t: Transfer) -> Completion | None:
         """A move of the chain settled; the last staging move of a load starts its GPU copy, or ends the load."""
@@ -117,7 +120,7 @@ class Settling(ManagerState):
             h.plan_id = gpu_copy.plan.plan_id
             return None
         h.residency = Residency.GPU  # nothing landed: the request computes all of it, keeping its GPU hits
-        return Completion(t.plan.plan_id, rid, PlanKind.ONBOARD, True, 0, Residency.GPU)
+        return Completion(t.plan.plan_id, rid, PlanKind.ONBOARD, True, h.num_hit_tokens, Residency.GPU)
 
     def _drain_events(self) -> None:
         """GPU evictions since the last poll join the counters here (the pool never calls up).
@@ -127,5 +130,5 @@ class Settling(ManagerState):
         ``BlockRemoved`` per eviction only to count the latter cost more than the count.
         """
         n = self.gpu.block_pool.num_evicted_blocks
-        self.counters.gpu_blocks_evicted += n - self._gpu_evicted_seen
+        self._counters.gpu_blocks_evicted += n - self._gpu_evicted_seen
         self._gpu_evicted_seen = n

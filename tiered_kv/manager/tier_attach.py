@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError
+from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.chain_api import StoreChain
 from tiered_kv.manager.cost_model import TierLink
 from tiered_kv.manager.guard import exclusive
@@ -39,9 +40,14 @@ class TierAttach(ManagerState):
             raise InvalidTransitionError("tiers below the CPU are attached already")
         if self.store is None or self._off is None or not self.caching:
             raise InvalidArgumentError("tiers below the CPU need a CPU tier (num_cpu_blocks > 0) and prefix caching")
-        self._lower = LowerTiers(chain, engines, links, self.store, self.transfers, self._off, self.cost_model)
+        self._lower = LowerTiers(
+            chain, engines, links, self.store, self.transfers, self._off, self.cost_model, self.decision_log.capacity
+        )
 
     @property
-    def load_log(self) -> list[LoadDecision]:
-        """Why admission loaded (or recomputed) what it found below the CPU, one entry per such admission."""
-        return list(self._lower.decisions) if self._lower is not None else []
+    def load_log(self) -> BoundedLog[LoadDecision]:
+        """Why admission loaded (or recomputed) what it found below the CPU, one entry per such admission.
+
+        The latest ``log_size`` entries (the manager's argument); ``total`` counts them all.
+        """
+        return self._lower.decisions if self._lower is not None else BoundedLog(self.decision_log.capacity)

@@ -33,6 +33,7 @@ from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError
+from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE, BoundedLog
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.guard import exclusive
@@ -52,9 +53,38 @@ from tiered_kv.manager.transfers import Transfer, Transfers
 from tiered_kv.manager.write_through import WriteThrough
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.transfer.engine import CopyEngine
+from tiered_kv.transfer.plan import CPU, GPU
 
 OFFLOAD_POLICIES = ("none", "write_through", "on_evict")
 _GPU = Residency.GPU  # read per call of allocate: a module constant is much cheaper than the enum's attribute
+
+
+def _check_engine_tiers(engine: CopyEngine, num_gpu_blocks: object, num_cpu_blocks: int) -> None:
+    """Refuse an engine that cannot execute this manager's plans, before any plan fails for it.
+
+    Plans name their media ``"GPU"`` and ``"CPU"`` and use block ids up to the
+    manager's pool sizes; an engine over storages named otherwise, or smaller,
+    would fail every copy.  Engines that do not say their sizes
+    (``tier_sizes()``) are not checked here; their plans still validate on submit.
+    """
+    tier_sizes = getattr(engine, "tier_sizes", None)
+    sizes = tier_sizes() if callable(tier_sizes) else None
+    if not isinstance(sizes, dict):
+        return
+    needed = {GPU: num_gpu_blocks, CPU: num_cpu_blocks} if num_cpu_blocks else {GPU: num_gpu_blocks}
+    for medium, n in needed.items():
+        have = sizes.get(medium)
+        if have is None:
+            raise InvalidArgumentError(
+                f"copy_engine has no {medium!r} tier (its tiers: {sorted(map(str, sizes))}); the manager's plans "
+                f"name their media {sorted(needed)}: key the engine's storages by those names"
+            )
+        if not isinstance(have, int) or (isinstance(n, int) and have < n):
+            raise InvalidArgumentError(
+                f"copy_engine's {medium} tier holds {have!r} blocks, fewer than the manager's {n}-block "
+                f"{medium} pool: every copy to or from its last blocks would fail; give the engine a storage "
+                f"of at least {n} blocks"
+            )
 
 
 class TierManager(Inspection, WriteThrough, Settling, TierAttach):
@@ -78,6 +108,13 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         hash_fn / hash_seed: Block hashing (shared by both tiers).
         evict_window: With ``offload="on_evict"``, how many blocks at the
             eviction end of the GPU free queue are kept stored on the CPU.
+        log_size: Entries :attr:`decision_log` and :attr:`load_log` keep: the
+            latest ones, so a long run's memory does not grow with its
+            requests (each log's ``total`` counts every entry); ``None`` keeps all.
+
+    Attributes:
+        decision_log: Why each preemption took its mode (a :class:`~.bounded_log.BoundedLog`
+            of :class:`~.outcomes.Decision`, the latest ``log_size``).
     """
 
     def __init__(
@@ -95,6 +132,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         hash_fn: str | HashFn = "sha256",
         hash_seed: int = 0,
         evict_window: int = 64,
+        log_size: int | None = DEFAULT_LOG_SIZE,
     ) -> None:
         checks.choice("offload", offload, OFFLOAD_POLICIES)
         if num_cpu_blocks.__class__ is not int or num_cpu_blocks < 0 or num_cpu_blocks == 1:
@@ -103,12 +141,15 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
             )
         checks.flag("enable_caching", enable_caching)
         checks.count("evict_window", evict_window, 1)
+        if log_size is not None:
+            checks.count("log_size", log_size, 1)
         if offload != "none" and not enable_caching:
             raise InvalidArgumentError(f"offload={offload!r} keeps a CPU prefix tier, which needs prefix caching")
         if not all(callable(getattr(copy_engine, n, None)) for n in ("submit", "cancel")):
             raise InvalidArgumentError(
                 f"copy_engine must have submit() and cancel(), got {checks.describe(copy_engine)}"
             )
+        _check_engine_tiers(copy_engine, num_gpu_blocks, num_cpu_blocks)
         self.gpu = KVCacheManager(
             num_gpu_blocks,
             block_size,
@@ -130,8 +171,8 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         tr.on_hold, tr.on_release = b.acquired, b.released
         self._swap = Swapper(self.gpu, self.store, tr, enable_caching, b.free_table, b.acquired) if self.store else None
         self._off = Offloader(self.gpu, self.store, tr, b.free_table) if self.store else None
-        self.counters = TierCounters()
-        self.decision_log: list[Decision] = []
+        self._counters = TierCounters()
+        self.decision_log: BoundedLog[Decision] = BoundedLog(log_size)
         self._lower: LowerTiers | None = None
         self._held: dict[Hashable, Held] = {}
         self._tick = 0
@@ -181,7 +222,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         if gpu_hits:
             self._bounds.acquired(gpu_hits)
         h = self._held[rid] = Held(request, Residency.GPU)
-        self.counters.count_lookup(request.num_tokens, n_gpu, n_cpu, self.store is not None)
+        self._counters.count_lookup(request.num_tokens, n_gpu, n_cpu, self.store is not None)
         plan = None
         if keys:
             assert self._off is not None
@@ -191,6 +232,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
             else:
                 t, staging = self._off.start_load(request, keys, dst, n_gpu + n_cpu), False
             h.residency, h.plan_id, plan = Residency.LOADING, None if staging else t.plan.plan_id, t.plan
+            h.num_hit_tokens = n_gpu
         self._tick += 1
         return Admission(new, n_gpu, n_cpu, n_new, plan)
 
@@ -260,8 +302,9 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
 
         Recompute frees its GPU blocks now and forgets the request; swap starts
         a swap-out whose GPU blocks free when it lands.  ``mode="swap"`` where
-        no swap is possible returns ``None`` and changes nothing; ``"auto"``
-        then recomputes and the decision log says why.
+        no swap is possible (no CPU tier, no room on it, or no computed token:
+        nothing to swap) returns ``None`` and changes nothing; ``"auto"`` then
+        recomputes and the decision log says why.
         """
         checks.choice("mode", mode, MODES)
         h = self._get(request_id, Residency.GPU)
@@ -270,6 +313,8 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         if chosen is None:
             return None
         if chosen is PreemptMode.SWAP and q.num_tokens == 0:
+            if mode == "swap":  # forced, and impossible: refused like any other impossible swap
+                return None
             chosen, reason = PreemptMode.RECOMPUTE, f"nothing is computed yet, so there is nothing to swap; {reason}"
         plan = None
         if chosen is PreemptMode.SWAP:
@@ -281,11 +326,11 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
                 h.residency, h.plan_id, plan = Residency.SWAPPING_OUT, out.plan.plan_id, out.plan
             else:  # every block already on the CPU: swapped at once
                 h.residency, h.swapped, h.num_stored_blocks = Residency.CPU, out, 0
-            self.counters.preemptions_swap += 1
+            self._counters.preemptions_swap += 1
             now, later = (0, q.blocks_freed) if plan is not None else (q.blocks_freed, 0)
         else:
             self._forget(h)
-            self.counters.preemptions_recompute += 1
+            self._counters.preemptions_recompute += 1
             now, later = q.blocks_freed, 0
         self._tick += 1
         self.decision_log.append(Decision(self._tick, request_id, mode, chosen, reason, q))
@@ -323,7 +368,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
     def drop_swapped(self, request_id: Hashable) -> None:
         """Give up a swapped request's CPU copy: it will be recomputed (the scheduler resets its progress)."""
         self._forget(self._get(request_id, Residency.CPU))
-        self.counters.swaps_dropped += 1
+        self._counters.swaps_dropped += 1
 
     @exclusive
     def free(self, request_id: Hashable) -> None:

@@ -137,6 +137,8 @@ class MetricsRecorder:
         self._sums = dict.fromkeys(COPY_KINDS, 0.0)
         self._preemptions = {(m.value, r): 0 for r, modes in REASONS.items() for m in modes}
         self._decisions_read = 0
+        #: Preemption decisions that left the manager's bounded log before a read could label them.
+        self.decisions_missed = 0
         scheduler.completion_observers.append(self.observe)
 
     def close(self) -> None:
@@ -157,10 +159,12 @@ class MetricsRecorder:
         """Everything, now."""
         sched = self.scheduler
         log = sched.tm.decision_log
-        for d in log[self._decisions_read :]:
+        new, missed = log.since(self._decisions_read)
+        for d in new:
             key = (d.mode.value, decision_reason(d))
             self._preemptions[key] += 1
-        self._decisions_read = len(log)
+        self.decisions_missed += missed  # fell off the log before a read: read more often, or keep more
+        self._decisions_read = log.total
         running = waiting = swapped = 0
         for st in sched.status.values():
             if st is RequestStatus.RUNNING:

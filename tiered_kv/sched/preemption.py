@@ -5,6 +5,15 @@ free are counted first (waiting beats preempting); then the policy picks
 victims among running requests not yet scheduled this step, and each is
 preempted through the manager by the mode its quote chooses.  If no choice
 frees enough, the request preempts itself, as in vLLM.
+
+A request computes between two preemptions, as in vLLM (where a resumed
+request is scheduled in the step it resumes): one that has become runnable
+(admitted, resumed, or its KV landed) and has not computed a step since is
+never a victim, and does not preempt itself; it waits.  Otherwise a victim
+that costs nothing to swap (its blocks all stored already) can be swapped out,
+resumed from the GPU cache and swapped out again forever, never computing.
+Only when nothing at all can run or land does such a request yield
+(:meth:`Preempting._yield_if_stuck`).
 """
 
 from __future__ import annotations
@@ -39,11 +48,23 @@ class Preempting:
     _high_water: dict[Hashable, int]
     _loads: dict[Hashable, TransferHandle]
     _quiet: dict[Hashable, int]
+    _fresh: set[Hashable]  # runnable again and no step computed since: not preemptible (membership only)
 
     def _make_room(
-        self, req: Request, n: int, scheduled: set[Hashable], promised: int, out: SchedulerOutput
+        self,
+        req: Request,
+        n: int,
+        scheduled: set[Hashable],
+        promised: int,
+        out: SchedulerOutput,
+        stalled: list[Request] | None = None,
     ) -> tuple[bool, int]:
-        """Allocate ``n`` tokens for ``req``, preempting others if needed; (fits, promised blocks left)."""
+        """Allocate ``n`` tokens for ``req``, preempting others if needed; (fits, promised blocks left).
+
+        A fresh request (no step computed since it became runnable) that
+        finds no victim waits instead of preempting itself; it is appended to
+        ``stalled``.
+        """
         tm, rid = self.tm, req.request_id
         for i in range(len(self.running) + 1):  # each round preempts at least one victim, or ends
             if i and tm.allocate(rid, n) is not None:  # the caller tried once already
@@ -56,6 +77,10 @@ class Preempting:
             )
             if victims is None:
                 if rid in self._loads:  # its KV is still landing: it cannot be preempted now; it waits
+                    return False, promised
+                if rid in self._fresh:  # preempting it now would undo its resume before it made progress
+                    if stalled is not None:
+                        stalled.append(req)
                     return False, promised
                 self._preempt(req, out)  # nobody else can make room: vLLM preempts the request itself
                 return False, promised
@@ -75,8 +100,22 @@ class Preempting:
         return [
             Candidate(rid, rank, num_blocks(rid), r.num_computed_tokens, r.num_prompt_tokens, quote, bounds)
             for rank, r in enumerate(order)
-            if (rid := r.request_id) not in exclude and status[rid] is running and rid not in loads
+            if (rid := r.request_id) not in exclude
+            and status[rid] is running
+            and rid not in loads
+            and rid not in self._fresh
         ]
+
+    def _yield_if_stuck(self, stalled: list[Request], out: SchedulerOutput) -> None:
+        """Fresh requests waited for room, yet the step runs nothing and no copy will land: the last one yields.
+
+        Nothing else can free a block then, so waiting would make empty steps
+        forever; preempting it is vLLM's answer to a request that cannot fit.
+        """
+        if stalled and not out.scheduled and not self.tm.plans_in_flight():
+            req = stalled[-1]
+            self._fresh.discard(req.request_id)
+            self._preempt(req, out)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> Preemption:
         rid = req.request_id

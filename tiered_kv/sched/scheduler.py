@@ -21,9 +21,13 @@ admitted requests:
    manager would serve without changing anything (a decode token landing in
    a block the request holds, filling none: ``TierManager.quiet_tokens``)
    skips the manager call; that is most decode steps.
-3. Swapped requests resume, oldest first, unless this step preempted.  With
-   ``layerwise`` a resumed request is scheduled in the same step, computing
-   while its KV lands layer by layer (``SchedulerOutput.loads``).
+3. Swapped requests resume, oldest first, unless this step preempted.  One
+   whose KV is whole on the GPU at once (every block still cached there) is
+   scheduled in the same step, as vLLM schedules a resumed request; with
+   ``layerwise`` so is one whose KV is still landing, computing while it
+   lands layer by layer (``SchedulerOutput.loads``).  A request computes
+   between two preemptions: one that became runnable and has not computed
+   since is never a victim (:mod:`.preemption`).
 4. Waiting requests are admitted (FCFS, or by priority), unless requests are
    swapped out or this step preempted.
 
@@ -80,6 +84,9 @@ class Scheduler(Preempting):
         # allocate would change nothing and is skipped.  Dropped whenever the request's status changes
         # or a copy of its KV settles (then the manager's answer may differ); absent means "ask".
         self._quiet: dict[Hashable, int] = {}
+        # Requests that became runnable (admitted, resumed, their KV landed) and have not computed a step
+        # since: no victim until they have (see sched.preemption).  Membership only, never iterated.
+        self._fresh: set[Hashable] = set()
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
         self.copies_landed = 0
@@ -88,13 +95,30 @@ class Scheduler(Preempting):
 
     # --------------------------------------------------------------- intake
     def add_request(self, request: Request) -> None:
-        """Queue a new request (no computed tokens)."""
+        """Queue a new request (no computed tokens).
+
+        Without chunked prefill a request must fit one step's token budget
+        whenever it is prefilled, and a recompute preemption prefills its
+        prompt and every token it has generated again: a request whose prompt
+        plus ``max_tokens - 1`` exceeds ``max_num_batched_tokens`` could never
+        be admitted again, so it is refused here (vLLM requires
+        ``max_num_batched_tokens >= max_model_len`` then, for the same reason).
+        """
         checks.instance("request", request, Request)
         rid = request.request_id
         if rid in self.requests:
             raise InvalidArgumentError(f"request {rid!r} was already added")
         if request.num_computed_tokens != 0 or request.is_finished:
             raise InvalidArgumentError(f"request {rid!r} must be new: no computed tokens, not finished")
+        cfg = self.config
+        longest = request.num_prompt_tokens + max(request.max_tokens - 1, 0)
+        if not cfg.chunked_prefill and longest > cfg.max_num_batched_tokens:
+            raise InvalidArgumentError(
+                f"request {rid!r}: with chunked_prefill=False a prefill must fit one step, and this request may "
+                f"need {longest} tokens at once ({request.num_prompt_tokens} prompt + up to "
+                f"{max(request.max_tokens - 1, 0)} generated, prefilled again after a recompute preemption) but "
+                f"max_num_batched_tokens is {cfg.max_num_batched_tokens}; enable chunked_prefill or raise the budget"
+            )
         self.requests[rid] = request
         self.status[rid] = S.WAITING
         self.waiting.append(request)
@@ -182,13 +206,15 @@ class Scheduler(Preempting):
                     req.num_computed_tokens = c.num_tokens
                     self.status[rid] = S.RUNNING
                     self.running.append(req)
+                    self._fresh.add(rid)
                 else:
                     self.status[rid] = S.SWAPPED
                     self.swapped.appendleft(req)
-            elif c.ok:  # onboarding landed: the loaded prefix counts as computed
-                req.num_computed_tokens += c.num_tokens
+            elif c.ok:  # onboarding landed: its GPU hits and the loaded prefix count as computed
+                req.num_computed_tokens = c.num_tokens
                 self.status[rid] = S.RUNNING
                 self.running.append(req)
+                self._fresh.add(rid)
             else:  # onboarding failed: the manager holds nothing; recompute from scratch
                 req.num_computed_tokens = 0
                 self.status[rid] = S.WAITING
@@ -213,6 +239,7 @@ class Scheduler(Preempting):
         skip = self.config.skip_quiet_allocations
         running = S.RUNNING
         plain = 0  # the tokens this loop batches, added to out.num_tokens once, after it
+        stalled: list[Request] = []  # fresh requests that found no room and waited
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -231,7 +258,7 @@ class Scheduler(Preempting):
             if c + n > quiet.get(rid, 0):
                 if allocate(rid, n) is None:
                     # The requests scheduled so far (the batch) are not victims this step.
-                    fits, promised = self._make_room(req, n, {r.request_id for r, _ in batch}, promised, out)
+                    fits, promised = self._make_room(req, n, {r.request_id for r, _ in batch}, promised, out, stalled)
                     if not fits:
                         continue
                 if skip:
@@ -249,6 +276,8 @@ class Scheduler(Preempting):
             if loads and rid in loads:
                 out.loads[rid] = loads[rid]
         out.num_tokens += plain
+        if stalled:
+            self._yield_if_stuck(stalled, out)
         if not out.preempted:
             budget = self._resume(out, budget)
         if not self.swapped and not out.preempted:
@@ -293,11 +322,14 @@ class Scheduler(Preempting):
             rid = req.request_id
             if self.status[rid] is not S.SWAPPED:
                 break  # oldest first: wait for its swap-out to land
+            if self.tm.blocks_to_resume(rid, self._next_tokens(req, budget)) > self.tm.num_free_gpu_blocks():
+                break  # no room for its KV and its next step yet: resumed, it could not run
             res = self.tm.resume(rid, layered=layered)
             if res is None:
                 break
             self.swapped.popleft()
             self._quiet.pop(rid, None)
+            self._fresh.add(rid)
             seats -= 1
             out.resumed.append(rid)
             if res.plan is not None and not layered:
@@ -311,11 +343,22 @@ class Scheduler(Preempting):
                 handle = self.tm.handle(res.plan.plan_id)
                 assert handle is not None
                 self._loads[rid] = handle
-                budget = self._start_loaded(out, req, budget)
+            budget = self._start_resumed(out, req, budget)
         return budget
 
-    def _start_loaded(self, out: SchedulerOutput, req: Request, budget: int) -> int:
-        """Schedule a request in the step its layer-wise load starts, if its tokens fit now."""
+    def _next_tokens(self, req: Request, budget: int) -> int:
+        """Tokens the request computes in its next step: the rest of its tokens, chunked to the budget (>= 1)."""
+        n = len(req.all_token_ids) - req.num_computed_tokens
+        return min(n, max(budget, 1)) if self.config.chunked_prefill else n
+
+    def _start_resumed(self, out: SchedulerOutput, req: Request, budget: int) -> int:
+        """Schedule a request in the step it resumes (its KV whole on the GPU, or landing layer by layer).
+
+        As vLLM schedules a resumed request in the step that resumes it: it
+        makes progress before anything can preempt it again.  Skipped when its
+        tokens do not fit the budget or the pool now; it then runs in a later
+        step, still protected until it has computed (see :mod:`.preemption`).
+        """
         n = len(req.all_token_ids) - req.num_computed_tokens
         if n > budget:
             if not self.config.chunked_prefill or budget <= 0:
@@ -324,7 +367,9 @@ class Scheduler(Preempting):
         if self.tm.allocate(req.request_id, n) is None:
             return budget  # runs in a later step, once its load has landed or room is made
         self._add(out, req, n)
-        out.loads[req.request_id] = self._loads[req.request_id]
+        rid = req.request_id
+        if rid in self._loads:
+            out.loads[rid] = self._loads[rid]
         return budget - n
 
     def _next_waiting(self) -> Request:
@@ -346,6 +391,7 @@ class Scheduler(Preempting):
             seats -= 1
             rid = req.request_id
             self._quiet.pop(rid, None)
+            self._fresh.add(rid)
             req.num_computed_tokens = res.num_computed_tokens
             out.admitted.append(rid)
             mark = self._high_water.get(rid, 0)
@@ -401,10 +447,13 @@ class Scheduler(Preempting):
                 self._apply([self.tm.process_completion(h)])
         finished: list[Request] = []
         on_tokens_computed = self.tm.on_tokens_computed
+        fresh = self._fresh
         for req, n in out.scheduled:
             rid = req.request_id
             if status.get(rid) is not running or (failed and rid in failed):
                 continue  # its load failed (or it was aborted meanwhile): this step did not count
+            if fresh:
+                fresh.discard(rid)  # it made progress: it may be preempted again
             c = req.num_computed_tokens
             req.num_computed_tokens = c + n
             if c < req.num_prompt_tokens:
@@ -430,6 +479,7 @@ class Scheduler(Preempting):
         self._high_water.pop(rid, None)
         self._loads.pop(rid, None)
         self._arriving.discard(rid)
+        self._fresh.discard(rid)
 
     def check_consistency(self) -> None:
         """Assert that queues, statuses and the manager's residencies agree (for tests)."""

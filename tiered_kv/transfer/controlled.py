@@ -52,6 +52,10 @@ class ControlledCopyEngine:
         self.submitted.append(plan)
         return handle
 
+    def tier_sizes(self) -> dict[str, int] | None:
+        """Medium name -> blocks that plans are validated against (``None``: plans are not validated)."""
+        return dict(self.num_blocks) if self.num_blocks is not None else None
+
     def pending_ids(self) -> list[int]:
         """Plan ids not yet final, in submission order."""
         return list(self.pending)
@@ -125,12 +129,20 @@ class ControlledCopyEngine:
         return handle
 
     def cancel(self, handle: TransferHandle) -> bool:
+        """Cancel a plan still pending here; True exactly when the handle is now CANCELLED.
+
+        A layer-wise plan some of whose layers landed (``complete_layer``) is
+        between two layers, where a real engine stops a cancelled plan: it ends
+        CANCELLED too, never left started with nobody to finish it, and its
+        destination must not be read (the manager rolls the copy back).
+        """
         if not isinstance(handle, TransferHandle):
             raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
         if self.pending.get(handle.plan.plan_id) is not handle:
             return False
         self.pending.pop(handle.plan.plan_id)
-        return handle._cancel_if_pending(TransferError(f"plan {handle.plan.plan_id}: cancelled"))
+        error = TransferError(f"plan {handle.plan.plan_id}: cancelled")
+        return handle._cancel_if_pending(error) or handle._finish(TransferStatus.CANCELLED, error)
 
     def complete_all(self) -> list[TransferHandle]:
         """Complete every pending plan in submission order (gated plans with unopened layers stay pending)."""

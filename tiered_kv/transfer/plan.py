@@ -41,7 +41,9 @@ class TransferPlan:
 
     Attributes:
         plan_id: Unique per manager; handles and decision logs refer to it.
-        request_id: The request the plan serves (``None`` for cache offloads).
+        request_id: The request the plan serves: a swap's or an onboarding's, and a
+            write-through store's (the request whose prompt blocks it stores);
+            ``None`` only for an on-evict save, which stores blocks no request holds.
         urgent: Swap-ins and onboards: a request waits on them.
         wait_for: Plan ids that must complete before this one may write its
             destination (on-evict: the old contents must be copied out first).

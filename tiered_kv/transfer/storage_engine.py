@@ -105,6 +105,10 @@ class StorageEngineBase:
     def bytes_per_block(self) -> int:
         return self.spec.bytes_per_block
 
+    def tier_sizes(self) -> dict[str, int]:
+        """Medium name -> blocks of its storage: what its plans may address (a manager checks it was built for them)."""
+        return {m: t.num_blocks for m, t in self.tiers.items()}
+
     def prepare(self, plan: TransferPlan) -> PreparedPlan:
         """Validate (raising :class:`PlanError` before anything is copied), coalesce and chunk."""
         for m in (plan.src_medium, plan.dst_medium):
