@@ -15,7 +15,7 @@ from tiered_kv.sim.files import make_dir, write_text
 
 def demand_ratio(cfg: dict[str, Any], setup: RunSetup, workload: Sequence[Any]) -> float:
     """KV needed to run ``max_num_seqs`` average requests to completion, over the GPU KV pool."""
-    mean_tokens = sum(len(r.prompt) + len(r.output) for r in workload) / max(len(workload), 1)
+    mean_tokens = sum(r.prompt_len + len(r.output) for r in workload) / max(len(workload), 1)
     need = setup.max_num_seqs * mean_tokens * setup.model.kv_bytes_per_token
     return need / (setup.num_gpu_blocks * setup.block_size * setup.model.kv_bytes_per_token)
 
