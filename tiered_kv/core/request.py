@@ -166,7 +166,8 @@ class Request:
         checks.hashable("request_id", request_id)
         if type(num_prompt_tokens) is not int or num_prompt_tokens < 1:
             raise InvalidArgumentError(
-                f"request {request_id!r}: num_prompt_tokens must be an int >= 1, got {checks.describe(num_prompt_tokens)}"
+                f"request {request_id!r}: num_prompt_tokens must be an int >= 1, "
+                f"got {checks.describe(num_prompt_tokens)}"
             )
         if type(hash_block_size) is not int or hash_block_size < 1:
             raise InvalidArgumentError(
