@@ -121,8 +121,8 @@ SCHEMA: dict[str, Any] = {
         # The trace's layout (tiered_kv.sim.trace_formats.FORMATS); sharegpt's conversations
         # start arrival.rate per second.
         "trace_format": choice("jsonl", "jsonl", "mooncake", "azure", "burstgpt", "sharegpt"),
-        # Replay part of the trace: conversations starting in [window_s[0], window_s[1]) seconds,
-        # then every k-th of them; whole conversations are kept or dropped.
+        # Replay part of the trace: the requests arriving in [window_s[0], window_s[1]) seconds,
+        # of every k-th conversation (kept or dropped whole).
         "trace_sample": {
             "window_s": Field((list,), None, nullable=True),
             "every": integer(1, positive),

@@ -8,7 +8,8 @@ Formats (``workload.trace_format``, ``tiered-kv trace --format``):
   optional ``id``.  Lines may come in any order (they are sorted by arrival).
 * ``mooncake``: Mooncake's JSONL (FAST'25 traces): ``timestamp`` (milliseconds),
   ``input_length``, ``output_length``, ``hash_ids`` (one chained hash per 512
-  input tokens, the last for a partial block).
+  input tokens, the last for a partial block).  It has no session ids: requests
+  sharing their first two hashes are taken as one conversation (for sampling).
 * ``azure``: the Azure LLM inference traces, CSV ``TIMESTAMP,ContextTokens,
   GeneratedTokens``; 2023 (code, conversation: ``2023-11-16 18:15:46.6805900``)
   and the 2024 week-long ones (``2024-05-10 00:00:00.009930+00:00``).
@@ -267,6 +268,8 @@ def _read_mooncake(path: Path, text: str) -> Trace:
     where = _Where(path)
     trace = Trace(path, "mooncake", [])
     clock = _Clock()
+    convs: dict[tuple[int, ...], int] = {}
+    turns: dict[int, int] = {}
     for lineno, row in _json_lines(text, where, _MOONCAKE_KEYS):
         w = where(lineno)
         missing = [k for k in _MOONCAKE_KEYS if k not in row]
@@ -283,7 +286,15 @@ def _read_mooncake(path: Path, text: str) -> Trace:
         if n_out == 0:
             trace.skip("with 0 output tokens", lineno)
             continue
-        trace.rows.append(TraceRow(lineno, arrival, n_in, n_out, None, lineno, hashes, MOONCAKE_BLOCK))
+        # No session ids in Mooncake's traces: requests that share their first two blocks (1,024
+        # tokens: the shared system prompt, then the conversation's own start) are one conversation,
+        # as a router with prefix affinity would send them to one instance.
+        conv = convs.setdefault(hashes[:2], len(convs))
+        turn = turns.get(conv, 0)
+        turns[conv] = turn + 1
+        trace.rows.append(
+            TraceRow(lineno, arrival, n_in, n_out, None, lineno, hashes, MOONCAKE_BLOCK, None, conv, turn)
+        )
     return trace
 
 
@@ -543,31 +554,33 @@ def to_burstgpt(rows: list[TraceRow]) -> str:
 
 
 def sample(rows: list[TraceRow], window: tuple[float, float] | None = None, every: int = 1) -> list[TraceRow]:
-    """A sample that keeps whole conversations: those starting in ``window`` (seconds), then every ``every``-th.
+    """The requests arriving in ``window`` (seconds), of every ``every``-th conversation.
 
     A row without a conversation (``conversation == -1``) is a conversation of its
-    own.  A conversation is kept or dropped as a whole, so a kept follow-up always
-    finds the turns it resends; kept rows keep their own arrival times, shifted so
-    that the first one arrives at 0.
+    own.  Conversations are numbered in the order of their first request, and one
+    is kept or dropped as a whole, so a kept follow-up finds the turns it resends
+    (unless they came before the window).  Kept rows keep their own times, shifted
+    so that the first one arrives at 0.
     """
-    starts: dict[tuple[int, int], float] = {}
-    for r in rows:
-        key = (r.conversation, r.line) if r.conversation < 0 else (r.conversation, -1)
-        if key not in starts or r.arrival < starts[key]:
-            starts[key] = r.arrival
-    order = sorted(starts, key=lambda k: (starts[k], k))
     if window is not None:
-        order = [k for k in order if window[0] <= starts[k] < window[1]]
-    keep = set(order[::every])
-    out = [r for r in rows if ((r.conversation, r.line) if r.conversation < 0 else (r.conversation, -1)) in keep]
-    if not out:
-        return out
-    t0 = min(r.arrival for r in out)
+        rows = [r for r in rows if window[0] <= r.arrival < window[1]]
+    if every > 1:
+        order: dict[tuple[int, int], int] = {}
+        for r in sorted(rows, key=lambda r: (r.arrival, r.line)):
+            order.setdefault(_conversation(r), len(order))
+        rows = [r for r in rows if order[_conversation(r)] % every == 0]
+    if not rows:
+        return rows
+    t0 = min(r.arrival for r in rows)
     return [
         TraceRow(r.line, r.arrival - t0, r.prompt_len, r.output_len, r.prompt_tokens, r.id, r.hash_ids,
                  r.hash_block_size, r.output_tokens, r.conversation, r.turn)
-        for r in out
+        for r in rows
     ]  # fmt: skip
+
+
+def _conversation(r: TraceRow) -> tuple[int, int]:
+    return (r.conversation, -1) if r.conversation >= 0 else (-1, r.line)
 
 
 WRITERS = {"jsonl": to_jsonl, "mooncake": to_mooncake, "azure": to_azure, "burstgpt": to_burstgpt}
