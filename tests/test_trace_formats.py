@@ -278,7 +278,7 @@ def test_bad_trace_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, fmt, 
         assert err.count("\n") == 1
         assert f"workload.trace '{src}'" in err and problem in err, err
         assert not out.exists() and not summary.exists()
-    with pytest.raises(ConfigError, match="workload.trace '.*bad.txt'"):
+    with pytest.raises(ConfigError, match=r"workload.trace '.*bad.txt'"):
         trace_formats.read(src, fmt)
 
 
