@@ -110,8 +110,8 @@ def test_a_fresh_venv_runs_the_installed_tool(wheel, tmp_path_factory):
     assert default.stdout.strip() == "oversubscribed-llama3-8b-h200"
     # The main experiment's config resolves its trace inside the installed package, and the trace replays.
     code = (
-        "from pathlib import Path; from tiered_kv.sim.config import load_config; from tiered_kv.sim.workload import "
-        "generate; w = load_config('mooncake-llama3-8b-h200')['workload']; print(w['trace']); print(len(generate(w, 0)))"
+        "from tiered_kv.sim.config import load_config; from tiered_kv.sim.workload import generate; "
+        "w = load_config('mooncake-llama3-8b-h200')['workload']; print(w['trace']); print(len(generate(w, 0)))"
     )
     trace_path, n = run([bin_dir / "python", "-c", code], cwd=work).stdout.split()
     assert trace_path.startswith(str(env_dir)) and trace_path.endswith("traces/mooncake/conversation_trace.jsonl")
