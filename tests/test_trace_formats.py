@@ -317,3 +317,37 @@ def test_hit_rates_are_lru_prefix_hits():
     reqs = [(8, [("a", 4), ("b", 4)]), (8, [("a", 4), ("x", 4)]), (8, [("a", 4), ("b", 4)])]
     # Room for 2 blocks: after B the cache holds a, x (b evicted): C hits only a.  Unbounded: C hits both.
     assert trace_stats.hit_rates(reqs, [8, 12, math.inf]) == [8 / 24, 12 / 24, 12 / 24]
+
+
+def test_simulate_on_a_trace_says_where_the_gain_comes_from(tmp_path):
+    import copy
+
+    import yaml
+    from simutil import TINY
+
+    from tiered_kv.sim.runner import simulate
+
+    src = _write(tmp_path, "m.jsonl", MOONCAKE_ROWS)
+    raw = copy.deepcopy(TINY)
+    raw["memory"].update({"block_size": 16, "gpu_blocks": 400, "cpu_kv_tokens": 3200})
+    raw["scheduler"]["max_num_batched_tokens"] = 4096
+    raw["workload"].update({"trace": "m.jsonl", "trace_format": "mooncake"})
+    raw["runs"] = [
+        {"name": "base", "mode": "recompute", "cpu_kv_tokens": 0},
+        {"name": "tier", "mode": "recompute", "offload": "write_through", "vs": "base"},
+    ]
+    cfg = tmp_path / "t.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    lines: list[str] = []
+    doc = simulate(cfg, None, tmp_path / "plots", emit=lines.append, progress=False)
+    assert [r["cpu_blocks"] for r in doc["runs"]] == [0, 200]  # 3200 tokens in blocks of 16
+    assert f"trace {src} (mooncake): 3 requests" in lines
+    (table,) = [x for x in lines if x.startswith("where the difference comes from")]
+    rows = table.splitlines()
+    assert rows[1].split()[:6] == ["run", "vs", "hit", "GPU", "hit", "CPU"]
+    base, tier = rows[3].split(), rows[4].split()
+    # Both compute 2837 - 1536 tokens (the GPU holds every shared block), so the tier avoids nothing.
+    assert (base[0], base[4], base[5]) == ("base", "1301", "(baseline)")
+    assert (tier[0], tier[1], tier[5], tier[6]) == ("tier", "base", "1301", "+0")
+    for name in ("prefix_hit_vs_capacity.png", "ttft_per_run.png"):
+        assert (tmp_path / "plots" / name).stat().st_size > 1000
