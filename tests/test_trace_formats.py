@@ -351,3 +351,12 @@ def test_simulate_on_a_trace_says_where_the_gain_comes_from(tmp_path):
     assert (tier[0], tier[1], tier[5], tier[6]) == ("tier", "base", "1301", "+0")
     for name in ("prefix_hit_vs_capacity.png", "ttft_per_run.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
+
+
+def test_a_bad_window_is_a_usage_error(capsys):
+    assert main(["trace", "sample", "t.jsonl", "--window", "5:1", "-o", "o.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "tiered-kv trace sample: error: argument --window: must be START:END seconds with 0 <= START < END, "
+        "got '5:1' (see tiered-kv trace sample --help)\n"
+    )
