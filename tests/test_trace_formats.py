@@ -360,3 +360,16 @@ def test_a_bad_window_is_a_usage_error(capsys):
         "tiered-kv trace sample: error: argument --window: must be START:END seconds with 0 <= START < END, "
         "got '5:1' (see tiered-kv trace sample --help)\n"
     )
+
+
+def test_inspect_of_a_lengths_only_trace_says_reuse_is_unknown(tmp_path, capsys):
+    src = _write(tmp_path, "b.csv", BURSTGPT)
+    assert main(["trace", "inspect", str(src), "--format", "burstgpt"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        f"{src}: 3 requests in 3 conversations over 115 s (0.02 requests/s)",
+        "  input tokens:  mean 620, p50 472, p90 964, p99 1075, max 1087",
+        "  output tokens: mean 86.7, p50 18, p90 188, p99 226, max 230",
+        "  prefix reuse: not known (the format carries no token ids or prefix hashes)",
+        "  skipped: 2 rows with 0 Response tokens (failed requests) (first: line 4)",
+    ]
