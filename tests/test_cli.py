@@ -14,8 +14,18 @@ from tiered_kv.errors import ConfigError
 NAMES = [m.NAME for m in COMMANDS]
 
 
-def test_commands_are_the_documented_seven():
-    assert NAMES == ["simulate", "sweep", "validate", "crossover", "fidelity", "bench-transfer", "gpu-check", "demo"]
+def test_commands_are_the_documented_nine():
+    assert NAMES == [
+        "simulate",
+        "sweep",
+        "validate",
+        "trace",
+        "crossover",
+        "fidelity",
+        "bench-transfer",
+        "gpu-check",
+        "demo",
+    ]
 
 
 def test_help_lists_every_command_with_its_summary_on_one_line(capsys):

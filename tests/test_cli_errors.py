@@ -48,6 +48,33 @@ def cal(**changes) -> str:
 
 TRACE = "workload: {trace: t.jsonl}\n"
 ROWS = {
+    # trace
+    "trace-unknown-format": Row(
+        ["trace", "inspect", "t.txt", "--format", "parquet"],
+        r"workload\.trace 't\.txt': unknown trace format 'parquet'; expected one of \['jsonl', 'mooncake'",
+        {"t.txt": "x\n"},
+    ),
+    "trace-missing-file": Row(
+        ["trace", "inspect", "nope.jsonl"], r"workload\.trace: file 'nope\.jsonl' does not exist"
+    ),
+    "trace-backwards": Row(
+        ["trace", "convert", "m.jsonl", "--format", "mooncake", "--to", "jsonl", "-o", "out.jsonl"],
+        r"workload\.trace 'm\.jsonl' line 2: 'timestamp' goes backwards \(1 after 9 on line 1\)",
+        {
+            "m.jsonl": '{"timestamp": 9, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
+            '{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [2]}\n'
+        },
+    ),
+    "trace-bad-writer": Row(
+        ["trace", "convert", "t.jsonl", "--to", "sharegpt", "-o", "out.json"],
+        r"--to: cannot write format 'sharegpt'; one of \['azure', 'burstgpt', 'jsonl', 'mooncake'\]",
+        {"t.jsonl": '{"arrival": 0, "prompt_len": 4, "output_len": 2}\n'},
+    ),
+    "trace-output-is-input": Row(
+        ["trace", "sample", "t.jsonl", "--every", "2", "-o", "t.jsonl"],
+        r"--output t\.jsonl: is the input trace; give another file",
+        {"t.jsonl": '{"arrival": 0, "prompt_len": 4, "output_len": 2}\n'},
+    ),
     # demo
     "demo-bad-hash": Row(["demo", "--hash", "md5"], r"argument --hash: invalid choice: 'md5'"),
     "demo-unknown-flag": Row(["demo", "--fast"], r"unrecognized arguments: --fast"),
@@ -143,27 +170,27 @@ ROWS = {
     ),
     "simulate-trace-number-line": Row(
         ["simulate", "c.yaml"],
-        r"trace line 2: expected a JSON object, got number 5",
+        r"trace '\S+t\.jsonl' line 2: expected a JSON object, got number 5",
         {"c.yaml": TRACE, "t.jsonl": '{"arrival": 0, "prompt_len": 4, "output_len": 2}\n5\n'},
     ),
     "simulate-trace-null-line": Row(
         ["simulate", "c.yaml"],
-        r"trace line 1: expected a JSON object, got null",
+        r"trace '\S+t\.jsonl' line 1: expected a JSON object, got null",
         {"c.yaml": TRACE, "t.jsonl": "null\n"},
     ),
     "simulate-trace-text-length": Row(
         ["simulate", "c.yaml"],
-        r"trace line 1: 'prompt_len' must be an integer >= 1, got string \"12\"",
+        r"trace '\S+t\.jsonl' line 1: 'prompt_len' must be an integer >= 1, got string \"12\"",
         {"c.yaml": TRACE, "t.jsonl": '{"arrival": 0, "prompt_len": "12", "output_len": 2}\n'},
     ),
     "simulate-trace-text-output": Row(
         ["simulate", "c.yaml"],
-        r"trace line 1: 'output_len' must be an integer >= 1, got string",
+        r"trace '\S+t\.jsonl' line 1: 'output_len' must be an integer >= 1, got string",
         {"c.yaml": TRACE, "t.jsonl": '{"arrival": 0, "prompt_len": 12, "output_len": "many"}\n'},
     ),
     "simulate-trace-nan-arrival": Row(
         ["simulate", "c.yaml"],
-        r"trace line 1: 'arrival' must be a finite number of seconds >= 0, got nan",
+        r"trace '\S+t\.jsonl' line 1: 'arrival' must be a finite number of seconds >= 0, got nan",
         {"c.yaml": TRACE, "t.jsonl": '{"arrival": NaN, "prompt_len": 12, "output_len": 2}\n'},
     ),
     "simulate-trace-huge-prompt": Row(
@@ -305,6 +332,7 @@ def test_the_table_covers_every_command():
         "simulate",
         "sweep",
         "validate",
+        "trace",
         "crossover",
         "fidelity",
         "bench-transfer",

@@ -53,6 +53,11 @@ def test_the_wheel_carries_the_configs_the_code_and_py_typed(wheel):
     configs = {f"tiered_kv/configs/{p.relative_to(ROOT / 'configs')}" for p in (ROOT / "configs").rglob("*.yaml")}
     assert configs and configs <= names
     assert "tiered_kv/configs/hardware/l40s.yaml" in names
+    # The Mooncake trace of the main experiment, with its attribution and license beside it.
+    trace = "tiered_kv/configs/traces/mooncake/"
+    assert {f"{trace}conversation_trace.jsonl", f"{trace}LICENSE-APACHE", f"{trace}README.md"} <= names
+    shipped = zipfile.ZipFile(wheel).read(f"{trace}conversation_trace.jsonl")
+    assert shipped == (ROOT / "configs" / "traces" / "mooncake" / "conversation_trace.jsonl").read_bytes()
     code = {str(p.relative_to(ROOT)) for p in (ROOT / "tiered_kv").rglob("*.py") if "configs" not in p.parts}
     assert code <= names
     assert "tiered_kv/py.typed" in names
@@ -103,4 +108,14 @@ def test_a_fresh_venv_runs_the_installed_tool(wheel, tmp_path_factory):
         cwd=work,
     )
     assert default.stdout.strip() == "oversubscribed-llama3-8b-h200"
+    # The main experiment's config resolves its trace inside the installed package, and the trace replays.
+    code = (
+        "from tiered_kv.sim.config import load_config; from tiered_kv.sim.workload import generate; "
+        "w = load_config('mooncake-llama3-8b-h200')['workload']; print(w['trace']); print(len(generate(w, 0)))"
+    )
+    trace_path, n = run([bin_dir / "python", "-c", code], cwd=work).stdout.split()
+    assert trace_path.startswith(str(env_dir)) and trace_path.endswith("traces/mooncake/conversation_trace.jsonl")
+    assert int(n) > 0
+    inspect = run([tool, "trace", "inspect", trace_path, "--format", "mooncake"], cwd=work).stdout
+    assert "12031 requests" in inspect
     assert run([bin_dir / "python", "-c", "import torch"], cwd=work, check=False).returncode != 0  # never needed

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 from tiered_kv import __version__, demo
 from tiered_kv.errors import TieredKVError
-from tiered_kv.sim import simulate_cmd, sweep_cmd, validate_cmd
+from tiered_kv.sim import simulate_cmd, sweep_cmd, trace_cmd, validate_cmd
 from tiered_kv.sim.outputs import claim_outputs
 from tiered_kv.tools import bench_transfer_cmd, crossover_cmd, fidelity_cmd, gpu_check_cmd
 
@@ -36,7 +36,17 @@ class _TopFormatter(argparse.RawDescriptionHelpFormatter, _Formatter):
     """Keeps the command list in the epilog as written: one line per command."""
 
 
-COMMANDS = (simulate_cmd, sweep_cmd, validate_cmd, crossover_cmd, fidelity_cmd, bench_transfer_cmd, gpu_check_cmd, demo)
+COMMANDS = (
+    simulate_cmd,
+    sweep_cmd,
+    validate_cmd,
+    trace_cmd,
+    crossover_cmd,
+    fidelity_cmd,
+    bench_transfer_cmd,
+    gpu_check_cmd,
+    demo,
+)
 
 
 class Parser(argparse.ArgumentParser):

@@ -151,6 +151,12 @@ def _make_chain(fn: HashFn, block_size: int) -> _Chain:
     return _call_chain(fn, block_size)
 
 
+# Extra keys of the keys derived from a request's given prefix hashes: an int marker (the fast
+# hash reads ints as they are) that no token block carries, then the hashes' block size.
+_PREFIX_KEY = 0x7072656669780001
+_PREFIX_TAIL = 0x7072656669780002
+
+
 def _check_hasher_args(block_size: object, hash_fn: object) -> None:
     if type(block_size) is not int or block_size <= 0:
         raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
@@ -221,6 +227,9 @@ class BlockHasher:
         first = len(hashes)
         if first >= num_full:
             return hashes
+        prefix = request.prefix_hashes
+        if prefix is not None:
+            return self._update_prefixed(request, prefix, first, num_full)
         parent = hashes[-1] if first else self._root
         # The chain functions are read into locals before the call: calling a callable
         # held in a slot straight from the attribute takes CPython's slow, unspecialised path.
@@ -237,6 +246,45 @@ class BlockHasher:
             many = self._many
             hashes += many(parent, tokens, first, num_full, extras)
         self.num_hashed_blocks += num_full - first
+        return hashes
+
+    def _update_prefixed(self, request: Request, prefix: tuple[int, ...], first: int, num_full: int) -> list[BlockHash]:
+        """``update`` for a request built by :meth:`Request.from_hashes`: keys from its given hashes.
+
+        Pool block ``k`` ends at token ``e = (k + 1) * block_size``, inside given
+        block ``j = (e - 1) // S``; its key hashes ``(hashes[j], e - j * S)``.
+        ``hashes[j]`` stands for the whole prefix up to the end of given block ``j``,
+        so two requests share pool block ``k`` exactly when they share given block
+        ``j`` (a 512-token hash becomes 32 keys of 16 tokens, none shared unless the
+        512-token block is), and the keys are the same in every run and for every
+        pool that uses this hash function and block size.  The first block past the
+        prompt's full blocks (the prompt's partial tail, then output) chains from a
+        key of the last given hash and the prompt length, since its prompt tokens
+        are placeholders; the blocks after it chain from token ids as usual.
+        """
+        hashes = request.block_hashes
+        bs = self._block_size
+        size = request.prefix_block_size
+        n_prompt = request.num_prompt_tokens
+        prompt_full = n_prompt // bs
+        fn = self._hash_fn
+        root = self._root
+        extra: tuple[object, ...] = (_PREFIX_KEY, size)
+        new: list[BlockHash] = []
+        for k in range(first, min(num_full, prompt_full)):
+            e = (k + 1) * bs
+            j = (e - 1) // size
+            new.append(fn(root, (prefix[j], e - j * size), extra))
+        start = first + len(new)
+        if start < num_full:
+            if start == prompt_full:
+                parent = fn(root, (prefix[-1], n_prompt), (_PREFIX_TAIL, size))
+            else:
+                parent = new[-1] if new else hashes[-1]
+            many = self._many
+            new += many(parent, request.all_token_ids, start, num_full, None)
+        hashes += new
+        self.num_hashed_blocks += len(new)
         return hashes
 
     def hash_block(

@@ -61,6 +61,8 @@ class Request:
         "arrival_time",
         "skip_prefix_cache",
         "priority",
+        "prefix_hashes",
+        "prefix_block_size",
     )
 
     def __init__(
@@ -123,6 +125,74 @@ class Request:
         self.arrival_time: float = arrival_time
         self.skip_prefix_cache: bool = skip_prefix_cache
         self.priority: int = priority  # vLLM's meaning: a lower value is served first, preempted last
+        # Set only by from_hashes: the prompt's content is known by these keys, not by its tokens.
+        self.prefix_hashes: tuple[int, ...] | None = None
+        self.prefix_block_size: int = 0
+
+    @classmethod
+    def from_hashes(
+        cls,
+        request_id: Hashable,
+        num_prompt_tokens: object,
+        hashes: object,
+        hash_block_size: object,
+        max_tokens: object = 16,
+        *,
+        arrival_time: object = 0.0,
+        priority: object = 0,
+    ) -> Request:
+        """A request whose prompt is given as block hashes instead of token ids (a trace's ``hash_ids``).
+
+        ``hashes[j]`` identifies prompt tokens ``[j * hash_block_size, (j + 1) * hash_block_size)``
+        *together with everything before them* (a chained hash, as Mooncake's traces
+        give them), so two requests have the same ``hashes[j]`` exactly when they share
+        that whole prefix.  The list must cover the prompt exactly: ``ceil(num_prompt_tokens
+        / hash_block_size)`` entries, the last one for a partial block where the prompt
+        ends inside it.
+
+        The block hasher keys the pool's blocks on these directly, re-chunked to the
+        pool's own block size (see :meth:`BlockHasher.update`).  ``all_token_ids``
+        holds ``num_prompt_tokens`` zeros for the prompt, one shared int object: the
+        core counts and slices that list on its hot paths, and the zeros stand for
+        the content the hashes identify (the one block that mixes prompt and output
+        tokens is keyed from the last hash, so equal zeros never mean equal content
+        across different prompts).  Memory per request is one pointer per token,
+        with no per-token objects; nothing is tokenized.
+
+        Raises:
+            InvalidArgumentError: a count that is not an int >= 1, a hash that is not
+                an int in ``[0, 2**63)``, or a hash list that does not cover the prompt exactly.
+        """
+        checks.hashable("request_id", request_id)
+        if type(num_prompt_tokens) is not int or num_prompt_tokens < 1:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: num_prompt_tokens must be an int >= 1, "
+                f"got {checks.describe(num_prompt_tokens)}"
+            )
+        if type(hash_block_size) is not int or hash_block_size < 1:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: hash_block_size must be an int >= 1, got {checks.describe(hash_block_size)}"
+            )
+        if isinstance(hashes, str | bytes) or not isinstance(hashes, Sequence):
+            raise InvalidArgumentError(
+                f"request {request_id!r}: hashes must be a sequence of ints, got {checks.describe(hashes)}"
+            )
+        keys = _items(hashes)
+        for h in keys:
+            if type(h) is not int or h < 0 or h >= 1 << 63:  # a hash is packed as an int64 by the digest chains
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: hashes must be ints in [0, 2**63), got {checks.describe(h)}"
+                )
+        need = -(-num_prompt_tokens // hash_block_size)
+        if len(keys) != need:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {num_prompt_tokens} prompt tokens in blocks of {hash_block_size} "
+                f"need {need} hashes, got {len(keys)}"
+            )
+        req = cls(request_id, [0] * num_prompt_tokens, max_tokens, arrival_time=arrival_time, priority=priority)
+        req.prefix_hashes = tuple(h for h in keys if type(h) is int)
+        req.prefix_block_size = hash_block_size
+        return req
 
     @property
     def num_tokens(self) -> int:

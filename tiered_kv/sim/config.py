@@ -247,6 +247,15 @@ def validate_config(raw: Any, calibration: Calibration | None = None) -> dict[st
             f"memory.cpu_kv_gib: {mem['cpu_kv_gib']} GiB exceeds memory.host_memory_gib ({mem['host_memory_gib']} GiB)"
         )
     w = cfg["workload"]
+    window = w["trace_sample"]["window_s"]
+    if window is not None and (
+        len(window) != 2
+        or any(isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) for v in window)
+        or not 0 <= window[0] < window[1]
+    ):
+        raise ConfigError(
+            f"workload.trace_sample.window_s: must be [start, end] seconds with 0 <= start < end, got {window!r}"
+        )
     _check_length(w["prompt_len"], "workload.prompt_len")
     _check_length(w["output_len"], "workload.output_len")
     runs = cfg["runs"] if cfg["runs"] is not None else copy.deepcopy(DEFAULT_RUNS)
@@ -318,7 +327,17 @@ def _sizes(cfg: dict[str, Any], run: dict[str, Any], rkey: str, hw: HardwareProf
         gpu_kv = n_gpu * block_bytes / GIB
     else:
         n_gpu = int(gpu_kv * GIB // block_bytes)
-    if mem["cpu_blocks"] is not None and run["cpu_kv_gib"] is None:
+    tokens = run["cpu_kv_tokens"] if run["cpu_kv_tokens"] is not None else mem["cpu_kv_tokens"]
+    if tokens is not None and run["cpu_kv_gib"] is None:
+        ckey = f"{rkey}.cpu_kv_tokens" if run["cpu_kv_tokens"] is not None else "memory.cpu_kv_tokens"
+        n_cpu = tokens // bs
+        cpu_kv = n_cpu * block_bytes / GIB
+        if cpu_kv > mem["host_memory_gib"]:
+            raise ConfigError(
+                f"{ckey}: {tokens} tokens of {model.name} KV ({cpu_kv:.1f} GiB) exceed memory.host_memory_gib "
+                f"({mem['host_memory_gib']} GiB)"
+            )
+    elif mem["cpu_blocks"] is not None and run["cpu_kv_gib"] is None:
         n_cpu, ckey = mem["cpu_blocks"], "memory.cpu_blocks"
         cpu_kv = n_cpu * block_bytes / GIB
     else:

@@ -47,6 +47,8 @@ RUN_SCHEMA = {
     "mode": choice("auto", "swap", "recompute", "auto"),
     "offload": choice("none", "none", "write_through", "on_evict"),
     "cpu_kv_gib": num(None, non_negative, nullable=True),
+    # The CPU tier in tokens of KV (wins over cpu_kv_gib): a size that means the same for every model.
+    "cpu_kv_tokens": Field((int,), None, None, (non_negative,), nullable=True),
     "gpu_kv_gib": num(None, positive, nullable=True),
     "copies": choice("async", *MODES),
     "kv_layout": choice("block_contiguous", *LAYOUTS),
@@ -73,6 +75,7 @@ SCHEMA: dict[str, Any] = {
         "gpu_memory_utilization": num(0.9, fraction),
         "gpu_kv_gib": num(None, positive, nullable=True),
         "cpu_kv_gib": num(64.0, non_negative),
+        "cpu_kv_tokens": Field((int,), None, None, (non_negative,), nullable=True),
         "host_memory_gib": num(1024.0, positive),
         "activation_reserve_gib": num(2.0, non_negative),
         "gpu_blocks": Field((int,), None, None, (positive,), nullable=True),
@@ -122,6 +125,15 @@ SCHEMA: dict[str, Any] = {
         },
         "multi_turn": {"prob": num(0.0, probability), "max_turns": integer(4, positive)},
         "trace": Field((str,), None, nullable=True),
+        # The trace's layout (tiered_kv.sim.trace_formats.FORMATS); sharegpt's conversations
+        # start arrival.rate per second.
+        "trace_format": choice("jsonl", "jsonl", "mooncake", "azure", "burstgpt", "sharegpt"),
+        # Replay part of the trace: the requests arriving in [window_s[0], window_s[1]) seconds,
+        # of every k-th conversation (kept or dropped whole).
+        "trace_sample": {
+            "window_s": Field((list,), None, nullable=True),
+            "every": integer(1, positive),
+        },
     },
     "runs": Field((list,), None, nullable=True),
     "regimes": Field((list,), None, nullable=True),

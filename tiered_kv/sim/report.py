@@ -45,7 +45,7 @@ class KVDemand:
 def kv_demand(setup: RunSetup, workload: Sequence[Any]) -> KVDemand:
     """:class:`KVDemand` of ``workload`` under ``setup``'s GPU pool and ``max_num_seqs``."""
     bs = setup.block_size
-    sizes = sorted((-(-(len(r.prompt) + len(r.output) - 1) // bs) for r in workload), reverse=True)
+    sizes = sorted((-(-(r.prompt_len + len(r.output) - 1) // bs) for r in workload), reverse=True)
     k = min(setup.max_num_seqs, len(sizes))
     return KVDemand(k, sum(sizes[:k]), max(setup.num_gpu_blocks - 1, 1))
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.obs.recorder import MetricsRecorder, Reading
+from tiered_kv.sim import trace_formats, trace_report
 from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import Calibration, load_calibration
 from tiered_kv.sim.config import config_from_raw, derived_fields, read_config, setup
@@ -262,6 +263,13 @@ def simulate(
         f"({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to {first.max_num_seqs} running requests "
         f"and {first.max_num_batched_tokens} tokens a step; {demand0.describe(first.max_num_seqs)}"
     )
+    w = cfg0["workload"]
+    if w["trace"] is not None:
+        trace = trace_formats.read(Path(w["trace"]), w["trace_format"], w["arrival"]["rate"])
+        kept = len(workloads[regimes[0][0]])
+        sampled = f", {kept} of them replayed ({w['trace_sample']})" if kept != len(trace.rows) else ""
+        skipped = f"; skipped {trace.skipped_text()}" if trace.skipped else ""
+        emit(f"trace {w['trace']} ({w['trace_format']}): {len(trace.rows)} requests{sampled}{skipped}")
     cfg_first = regimes[0][3]
     derived = list(
         dict.fromkeys(d for i in range(len(cfg_first["runs"])) for d in derived_fields(setup(cfg_first, i, cal)))
@@ -276,6 +284,10 @@ def simulate(
             outs = _serial(tasks, prog, sizes, say, workloads)
     results = [o["result"] for o in outs]
     summaries = _report_regimes(regimes, results, emit)
+    replayed = cfg0["workload"]["trace"] is not None
+    if replayed:  # a real workload: say where each run's difference comes from
+        emit("")
+        emit(trace_report.gains_table(results, first.block_size))
     doc = {
         "name": cfg0["name"],
         "hardware": where,
@@ -287,6 +299,10 @@ def simulate(
         "runs": results,
     }
     _write_outputs(doc, outs, emit, json_path, requests_path, timeline_path, metrics_path, plots_dir)
+    if replayed and plots_dir is not None:
+        setups = [setup(cfg0, i, cal) for i in range(len(cfg0["runs"]))]
+        for p in trace_report.plot(workloads[regimes[0][0]], results, setups, plots_dir, cfg0["name"]):
+            emit(f"wrote {p}")
     return doc
 
 

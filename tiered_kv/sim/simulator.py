@@ -13,7 +13,7 @@ identical seed and config give identical output.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tiered_kv.core.request import Request
@@ -193,7 +193,7 @@ class Simulator:
         size = max((r.rid for r in self.workload), default=-1) + 1
         # Hot-loop copies indexed by request id (ids are 0..n-1): a list index is cheaper than a dict lookup.
         by_rid: list[RequestRecord | None] = [None] * size
-        out_ids: list[list[int] | None] = [outputs.get(i) for i in range(size)]
+        out_ids: list[Sequence[int] | None] = [outputs.get(i) for i in range(size)]
         high = [0] * size  # most tokens ever computed per request (for per-request recompute)
         finished = 0
         busy: list[tuple[float, float]] = []
@@ -234,8 +234,14 @@ class Simulator:
                 loop.now = to
 
         def enter(r: SimRequest, t_event: float) -> None:
-            sched.add_request(Request(r.rid, r.prompt, max_tokens=len(r.output), arrival_time=r.arrival))
-            rec = RequestRecord(r.rid, r.rid if r.id is None else r.id, r.arrival, len(r.prompt))
+            if r.hashes is None:
+                req = Request(r.rid, r.prompt, max_tokens=len(r.output), arrival_time=r.arrival)
+            else:  # a trace's prefix hashes: the pool keys on them, nothing is tokenized
+                req = Request.from_hashes(
+                    r.rid, r.hashed_len, r.hashes, r.hash_block_size, len(r.output), arrival_time=r.arrival
+                )
+            sched.add_request(req)
+            rec = RequestRecord(r.rid, r.rid if r.id is None else r.id, r.arrival, r.prompt_len)
             records[r.rid] = by_rid[r.rid] = rec
             if tracing:
                 loop.log("arrival", r.rid, t_event)

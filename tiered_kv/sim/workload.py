@@ -6,11 +6,12 @@
 * Multi-turn conversations: a follow-up resends the whole previous turn
   (prompt + answer) plus a new user message, arriving a think time after
   the previous turn's arrival.
-* Replay of a JSONL trace: one object per line with ``arrival`` (seconds),
-  ``prompt_tokens`` (a list) or ``prompt_len``, ``output_len``, and an
-  optional ``id`` (a string or an integer; default: the line number) that the
-  per-request output carries, so its rows join back to the trace; every
-  field is checked (types, finite arrival times) with its line number.
+* Replay of a trace in one of the public formats of
+  :mod:`tiered_kv.sim.trace_formats` (``workload.trace_format``): this
+  package's JSONL, Mooncake, Azure, BurstGPT, ShareGPT; optionally sampled by
+  time window or every k-th conversation (``workload.trace_sample``).  A
+  request's ``id`` (the trace's, or its line number) is carried by the
+  per-request output, so its rows join back to the trace.
 
 Token ids are built from ranges: each piece of text (a system prompt, a user
 message, an answer) gets a disjoint id range, so prefixes are shared exactly
@@ -20,27 +21,42 @@ random draws.
 
 from __future__ import annotations
 
-import json
 import math
 import random
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.sim.files import read_text
+from tiered_kv.sim import trace_formats
+from tiered_kv.sim.trace_formats import TraceRow
 
 
 @dataclass(slots=True)
 class SimRequest:
+    """One request of a workload.
+
+    The prompt is ``prompt`` (token ids), or, when ``hashes`` is set, prefix
+    hashes at ``hash_block_size`` tokens each standing for ``hashed_len`` tokens
+    (``prompt`` is then empty: nothing is tokenized).  :attr:`prompt_len` is the
+    prompt's length either way.
+    """
+
     rid: int
     arrival: float
-    prompt: list[int]
-    output: list[int]  # the tokens the model "samples", in order
+    prompt: Sequence[int]
+    output: Sequence[int]  # the tokens the model "samples", in order
     conversation: int = -1
     turn: int = 0
     id: Hashable = None  # the trace's id of a replayed request (None: a generated one, known by rid)
+    hashes: tuple[int, ...] | None = None
+    hash_block_size: int = 0
+    hashed_len: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return self.hashed_len if self.hashes is not None else len(self.prompt)
 
 
 class _Ids:
@@ -50,7 +66,11 @@ class _Ids:
         self.next = 1
 
     def take(self, n: int) -> list[int]:
-        out = list(range(self.next, self.next + n))
+        return list(self.span(n))
+
+    def span(self, n: int) -> range:
+        """The next ``n`` ids as a range: a sequence that holds no per-token objects."""
+        out = range(self.next, self.next + n)
         self.next += n
         return out
 
@@ -88,6 +108,19 @@ def _arrivals(spec: dict[str, Any], n: int, rng: random.Random) -> list[float]:
     return out
 
 
+def trace_rows(spec: dict[str, Any]) -> list[TraceRow]:
+    """The rows of a validated ``workload`` section's trace, sampled as it says (``trace_sample``)."""
+    trace = trace_formats.read(Path(spec["trace"]), spec["trace_format"], spec["arrival"]["rate"])
+    smp = spec["trace_sample"]
+    window = None if smp["window_s"] is None else (float(smp["window_s"][0]), float(smp["window_s"][1]))
+    if window is None and smp["every"] == 1:
+        return trace.rows
+    rows = trace_formats.sample(trace.rows, window, smp["every"])
+    if not rows:
+        raise ConfigError(f"workload.trace_sample: keeps no request of '{trace.path}' ({len(trace.rows)} requests)")
+    return rows
+
+
 def zipf_weights(n: int, s: float) -> list[float]:
     return [1.0 / (k + 1) ** s for k in range(n)]
 
@@ -95,7 +128,7 @@ def zipf_weights(n: int, s: float) -> list[float]:
 def generate(spec: dict[str, Any], seed: int) -> list[SimRequest]:
     """Requests of a validated ``workload`` config section, deterministic in ``seed``."""
     if spec["trace"]:
-        return _from_rows(read_trace(Path(spec["trace"])))
+        return from_rows(trace_rows(spec))
     rng = random.Random(seed)
     ids = _Ids()
     n = spec["num_requests"]
@@ -132,118 +165,41 @@ def generate(spec: dict[str, Any], seed: int) -> list[SimRequest]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class TraceRow:
-    """One validated line of a trace; ``prompt_tokens`` is None when the line gave only ``prompt_len``."""
+def read_trace(path: Path, fmt: str = "jsonl", rate: float = 1.0) -> list[TraceRow]:
+    """Read and validate a trace of format ``fmt`` without building its requests (cheap to size up first).
 
-    line: int
-    arrival: float
-    prompt_len: int
-    output_len: int
-    prompt_tokens: list[int] | None
-    id: Hashable = None
-
-
-_JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "list"}
-
-
-def _describe(v: Any) -> str:
-    """A JSON value as a trace's author wrote it: ``string "12"``, ``number 5``, ``null``."""
-    kind = _JSON_TYPES.get(type(v), "object")
-    if v is None:
-        return kind
-    text = json.dumps(v) if not isinstance(v, float) or math.isfinite(v) else str(v)
-    return f"{kind} {text[:40]}"
-
-
-def _count(v: Any, where: str, key: str) -> int:
-    """A token count: a JSON integer (or an integral number such as ``1e3``) >= 1."""
-    if isinstance(v, bool) or not isinstance(v, int | float) or (isinstance(v, float) and not v.is_integer()):
-        raise ConfigError(f"{where}: '{key}' must be an integer >= 1, got {_describe(v)}")
-    if v < 1:
-        raise ConfigError(f"{where}: '{key}' must be an integer >= 1, got {v}")
-    return int(v)
-
-
-def _arrival(v: Any, where: str) -> float:
-    """An arrival time in seconds: a finite number >= 0 (a NaN would stall the simulated clock)."""
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ConfigError(f"{where}: 'arrival' must be a number of seconds >= 0, got {_describe(v)}")
-    if not math.isfinite(v) or v < 0:
-        raise ConfigError(f"{where}: 'arrival' must be a finite number of seconds >= 0, got {v}")
-    return float(v)
-
-
-def _tokens(v: Any, where: str) -> list[int]:
-    if not isinstance(v, list) or not v:
-        raise ConfigError(f"{where}: 'prompt_tokens' must be a non-empty list of token ids, got {_describe(v)}")
-    for t in v:
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise ConfigError(f"{where}: 'prompt_tokens' must hold integers >= 0, got {_describe(t)}")
-    return v
-
-
-def read_trace(path: Path) -> list[TraceRow]:
-    """Read and validate a JSONL trace without building its requests (cheap to size up first).
-
-    Each line is an object with ``arrival`` (seconds, finite, >= 0),
-    ``output_len`` (>= 1) and either ``prompt_tokens`` (a list of ids) or
-    ``prompt_len`` (>= 1).  Anything else is reported with its line number.
+    See :mod:`tiered_kv.sim.trace_formats` for the formats and their checks.
     """
-    text = read_text(path, "workload.trace")
-    rows: list[TraceRow] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"workload.trace line {lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"workload.trace: line {lineno} is not JSON: {exc}") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{where}: expected a JSON object, got {_describe(row)}")
-        unknown = set(row) - {"arrival", "prompt_tokens", "prompt_len", "output_len", "id"}
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}")
-        if "arrival" not in row or "output_len" not in row:
-            raise ConfigError(f"{where}: needs numeric 'arrival' and 'output_len'")
-        arrival = _arrival(row["arrival"], where)
-        n_out = _count(row["output_len"], where, "output_len")
-        tokens = None
-        if "prompt_tokens" in row:
-            tokens = _tokens(row["prompt_tokens"], where)
-            n_prompt = len(tokens)
-            if "prompt_len" in row and _count(row["prompt_len"], where, "prompt_len") != n_prompt:
-                raise ConfigError(f"{where}: 'prompt_len' ({row['prompt_len']}) differs from len(prompt_tokens)")
-        elif "prompt_len" in row:
-            n_prompt = _count(row["prompt_len"], where, "prompt_len")
-        else:
-            raise ConfigError(f"{where}: needs 'prompt_tokens' or 'prompt_len'")
-        rid = row.get("id", lineno)
-        if isinstance(rid, bool) or not isinstance(rid, int | str):
-            raise ConfigError(f"{where}: 'id' must be a string or an integer, got {_describe(rid)}")
-        rows.append(TraceRow(lineno, arrival, n_prompt, n_out, tokens, rid))
-    if not rows:
-        raise ConfigError(f"workload.trace: '{path}' has no requests")
-    seen: dict[Hashable, int] = {}
-    for r in rows:
-        if r.id in seen:
-            raise ConfigError(f"workload.trace line {r.line}: 'id' {r.id!r} was already used on line {seen[r.id]}")
-        seen[r.id] = r.line
-    return rows
+    return trace_formats.read(Path(path), fmt, rate).rows
 
 
-def load_trace(path: Path, seed: int = 0) -> list[SimRequest]:
-    """Replay a JSONL trace (``arrival``, ``prompt_tokens`` or ``prompt_len``, ``output_len``)."""
-    return _from_rows(read_trace(Path(path)))
+def load_trace(path: Path, seed: int = 0, fmt: str = "jsonl", rate: float = 1.0) -> list[SimRequest]:
+    """Replay a trace file of format ``fmt`` (default: this package's JSONL layout)."""
+    return from_rows(read_trace(Path(path), fmt, rate))
 
 
-def _from_rows(rows: list[TraceRow]) -> list[SimRequest]:
+def from_rows(rows: list[TraceRow]) -> list[SimRequest]:
+    """The requests of validated trace rows, in arrival order.
+
+    A row with prefix hashes keeps them as they are (its prompt is never
+    expanded into tokens); a row with only a length gets fresh token ids, shared
+    with no other request.  Outputs are ranges of fresh ids (no per-token objects)
+    unless a later request resends them (ShareGPT), when they are the row's own.
+    """
     ids = _Ids()
     out: list[SimRequest] = []
     for r in rows:
-        prompt = list(r.prompt_tokens) if r.prompt_tokens is not None else ids.take(r.prompt_len)
-        out.append(SimRequest(len(out), r.arrival, prompt, ids.take(r.output_len), id=r.id))
+        if r.hash_ids is not None:
+            prompt: Sequence[int] = []
+        elif r.prompt_tokens is not None:
+            prompt = list(r.prompt_tokens)
+        else:
+            prompt = ids.take(r.prompt_len)
+        output: Sequence[int] = list(r.output_tokens) if r.output_tokens is not None else ids.span(r.output_len)
+        out.append(
+            SimRequest(len(out), r.arrival, prompt, output, r.conversation, r.turn, r.id, r.hash_ids,
+                       r.hash_block_size, r.prompt_len)
+        )  # fmt: skip
     out.sort(key=lambda r: (r.arrival, r.rid))
     return out
 
@@ -289,7 +245,7 @@ def longest_synthetic(spec: dict[str, Any]) -> int:
 def size(spec: dict[str, Any]) -> WorkloadSize:
     """The size of a validated ``workload`` section without generating it (a trace is read, not built)."""
     if spec["trace"]:
-        rows = read_trace(Path(spec["trace"]))
+        rows = trace_rows(spec)
         big = max(rows, key=lambda r: r.prompt_len + r.output_len)
         return WorkloadSize(
             len(rows),
