@@ -26,7 +26,14 @@ TRACE_ROWS = "".join(json.dumps({"arrival": t, "prompt_len": 4, "output_len": 2}
 # A path no one can create a file or directory in, root included (os.access says yes there, as root).
 UNWRITABLE = "/proc/tiered-kv-test/out"
 # The options of type Path that are inputs, not outputs; any other Path option must be a declared output.
-INPUT_OPTIONS = {("simulate", "--calibration"), ("crossover", "--calibration"), ("fidelity", "--calibration")}
+INPUT_OPTIONS = {
+    ("simulate", "--calibration"),
+    ("crossover", "--calibration"),
+    ("fidelity", "--calibration"),
+    ("trace inspect", "path"),
+    ("trace convert", "path"),
+    ("trace sample", "path"),
+}
 # The least each command needs on its command line (its outputs are claimed before anything else runs).
 ARGV = {
     "simulate": ["simulate", "c.yaml", "--no-progress"],
@@ -36,11 +43,22 @@ ARGV = {
     "fidelity": ["fidelity", "c.yaml", "--calibration", "cal.json", "--no-progress"],
     "bench-transfer": ["bench-transfer"],
     "gpu-check": ["gpu-check", "--cpu"],
+    "trace inspect": ["trace", "inspect", "t.jsonl"],
+    "trace convert": ["trace", "convert", "t.jsonl", "--to", "jsonl"],
+    "trace sample": ["trace", "sample", "t.jsonl", "--every", "2"],
 }
 
 
 def commands() -> dict[str, argparse.ArgumentParser]:
-    return build_parser().commands
+    """Every command's parser, and for a command with actions (``trace``) each action's parser instead."""
+    out: dict[str, argparse.ArgumentParser] = {}
+    for name, parser in build_parser().commands.items():
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not actions:
+            out[name] = parser
+        for sub in actions:
+            out.update({f"{name} {action}": p for action, p in sub.choices.items()})
+    return out
 
 
 def every_output() -> list[tuple[str, str, str]]:
@@ -70,9 +88,10 @@ def test_every_path_option_of_every_command_is_a_declared_output_or_a_known_inpu
         declared = {o.flag for o in declared_outputs(parser)}
         for action in parser._actions:
             if action.type is Path:
-                flag = action.option_strings[0] if action.option_strings else action.dest
+                flag = action.option_strings[-1] if action.option_strings else action.dest  # --output, not -o
                 assert flag in declared or (name, flag) in INPUT_OPTIONS, f"{name} {flag}: declare it with add_output"
-    assert {m.NAME for m in COMMANDS} - {"demo"} == set(ARGV)
+    assert {m.NAME for m in COMMANDS} - {"demo"} == {name.split()[0] for name in ARGV}
+    assert set(commands()) - {"demo"} == set(ARGV)
 
 
 def test_the_timeline_option_is_named_for_what_it_writes(run_dir, capsys):
@@ -139,6 +158,9 @@ def test_a_shipped_profile_a_config_names_is_an_input_too(run_dir, capsys):
         (["crossover", "--model", "model.yaml", "--hardware", "hw.yaml"], "--json", "hw.yaml"),
         (["crossover", "--model", "model.yaml", "--hardware", "hw.yaml"], "--calibration-out", "model.yaml"),
         (["crossover", "--model", "model.yaml", "--calibration", "cal.json"], "--rows", "cal.json"),
+        (["trace", "inspect", "t.jsonl"], "--json", "t.jsonl"),
+        (["trace", "convert", "t.jsonl", "--to", "jsonl"], "--output", "t.jsonl"),
+        (["trace", "sample", "t.jsonl", "--every", "2"], "--output", "sub/../t.jsonl"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else v,
 )
@@ -149,6 +171,17 @@ def test_no_output_of_any_command_is_one_of_its_inputs(run_dir, capsys, argv, fl
     assert main([*argv, flag, target]) == 2
     err = capsys.readouterr().err
     assert f"{flag} {target}: is an input of this run" in err, err
+    assert snapshot(run_dir) == before
+
+
+def test_an_output_spelled_by_its_alias_is_refused_under_its_name(run_dir, capsys):
+    before = snapshot(run_dir)
+    assert main(["trace", "sample", "t.jsonl", "-o", str(run_dir / "t.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"tiered-kv trace: --output {run_dir / 't.jsonl'}: is an input of this run ('t.jsonl'); "
+        "an output never overwrites an input, give another path\n"
+    )
     assert snapshot(run_dir) == before
 
 
@@ -175,9 +208,8 @@ def test_every_output_of_every_command_is_created_before_the_command_runs(run_di
     out, err = capsys.readouterr()
     assert out == ""
     what = "the file" if kind == "file" else "a file in the directory"
-    assert re.fullmatch(rf"tiered-kv {command}: {flag} {re.escape(UNWRITABLE)}: cannot create {what} \(.+\)\n", err), (
-        err
-    )
+    where = command.split()[0]  # errors name the command, not its action
+    assert re.fullmatch(rf"tiered-kv {where}: {flag} {re.escape(UNWRITABLE)}: cannot create {what} \(.+\)\n", err), err
     assert snapshot(run_dir) == before
 
 

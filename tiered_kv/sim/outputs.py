@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -60,13 +60,15 @@ def add_output(
     flag: str,
     kind: Kind = "file",
     resolve: Callable[[argparse.Namespace], Path | None] | None = None,
+    aliases: Sequence[str] = (),
     **kwargs: Any,
 ) -> None:
     """Add an output option (``type=Path``) to ``parser`` and declare it for :func:`claim_outputs`.
 
-    ``kwargs`` go to ``add_argument`` (``help``, ``metavar``, ``default``).
+    ``flag`` is the name errors give; ``aliases`` are other spellings of it (``-o`` for
+    ``--output``).  ``kwargs`` go to ``add_argument`` (``help``, ``metavar``, ``default``).
     """
-    action = parser.add_argument(flag, type=Path, **kwargs)
+    action = parser.add_argument(*aliases, flag, type=Path, **kwargs)
     declared = parser.get_default(OUTPUTS) or ()
     parser.set_defaults(**{OUTPUTS: (*declared, Output(flag, action.dest, kind, resolve))})
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.sim.argtypes import positive_int
+from tiered_kv.sim.outputs import add_output, set_inputs
 
 NAME = "trace"
 SUMMARY = "inspect, convert or sample a trace (jsonl, mooncake, azure, burstgpt, sharegpt)"
@@ -63,11 +64,11 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         parents=[*parents, common],
         help="count, rate, length percentiles, prefix reuse at several cache sizes",
     )
-    ins.add_argument("--json", type=Path, metavar="PATH", help="also write the numbers (JSON) to this file")
+    add_output(ins, "--json", metavar="PATH", help="also write the numbers (JSON) to this file")
     ins.set_defaults(func=inspect)
     conv = sub.add_parser("convert", parents=[*parents, common], help="write the trace in another format")
     conv.add_argument("--to", required=True, metavar="FMT", help="jsonl, mooncake, azure or burstgpt")
-    conv.add_argument("-o", "--output", type=Path, required=True, metavar="PATH", help="the file to write")
+    add_output(conv, "--output", aliases=("-o",), required=True, metavar="PATH", help="the file to write")
     conv.set_defaults(func=convert)
     smp = sub.add_parser(
         "sample",
@@ -76,18 +77,15 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
     )
     smp.add_argument("--window", type=_window, metavar="START:END", help="requests arriving in [START, END) s")
     smp.add_argument("--every", type=positive_int, default=1, metavar="K", help="every K-th conversation")
-    smp.add_argument("-o", "--output", type=Path, required=True, metavar="PATH", help="the file to write")
+    add_output(smp, "--output", aliases=("-o",), required=True, metavar="PATH", help="the file to write")
     smp.set_defaults(func=sample)
+    for action_parser in (ins, conv, smp):
+        set_inputs(action_parser, _inputs)  # the trace: an output that resolves to it is refused
     return p
 
 
-def _check_output(args: argparse.Namespace, path: Path, flag: str) -> None:
-    from tiered_kv.errors import OutputError
-    from tiered_kv.sim.files import check_output_file
-
-    check_output_file(path, flag)
-    if path.exists() and args.path.exists() and path.resolve() == args.path.resolve():
-        raise OutputError(f"{flag} {path}: is the input trace; give another file")
+def _inputs(args: argparse.Namespace) -> list[Path]:
+    return [args.path]
 
 
 def _read(args: argparse.Namespace) -> Any:
@@ -106,8 +104,6 @@ def _report_skipped(trace: Any) -> None:
 def inspect(args: argparse.Namespace) -> int:
     from tiered_kv.sim import trace_stats
 
-    if args.json is not None:
-        _check_output(args, args.json, "--json")
     trace = _read(args)
     doc = trace_stats.summary(trace.rows)
     doc["format"] = trace.format
@@ -141,7 +137,6 @@ def convert(args: argparse.Namespace) -> int:
 
     if args.to not in trace_formats.WRITERS:
         raise ConfigError(f"--to: cannot write format {args.to!r}; one of {sorted(trace_formats.WRITERS)}")
-    _check_output(args, args.output, "--output")
     trace = _read(args)
     _report_skipped(trace)
     _write(args, trace.rows, args.to)
@@ -152,7 +147,6 @@ def sample(args: argparse.Namespace) -> int:
     from tiered_kv.errors import ConfigError
     from tiered_kv.sim import trace_formats
 
-    _check_output(args, args.output, "--output")
     trace = _read(args)
     _report_skipped(trace)
     rows = trace_formats.sample(trace.rows, args.window, args.every)
