@@ -125,8 +125,14 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     write_text(path, json.dumps(doc, indent=1, sort_keys=True), "--json")
 
 
-def _save(fig: Any, path: Path, title: str) -> Path:
-    """Title, lay out, write and close one figure."""
+def save_figure(fig: Any, path: Path, title: str) -> Path:
+    """Title, lay out, write and close one figure; shared by every module that draws plots.
+
+    The figure is closed even when the write fails, so a failed ``--plots`` leaks no figures.
+
+    Raises:
+        OutputError: the file cannot be written (naming ``--plots`` and the path).
+    """
     import matplotlib.pyplot as plt
 
     fig.suptitle(title)
@@ -160,7 +166,7 @@ def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
     axes[2].set_ylabel("CPU tier fill\n(every cached block)")
     axes[2].set_xlabel("simulated time (s)")
     axes[0].legend(fontsize=8)
-    paths.append(_save(fig, outdir / "usage_over_time.png", f"{title}: KV usage over time"))
+    paths.append(save_figure(fig, outdir / "usage_over_time.png", f"{title}: KV usage over time"))
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for r in runs:
@@ -171,7 +177,7 @@ def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
     axes[1].set_xlabel("end-to-end latency (s)")
     axes[0].set_ylabel("fraction of requests")
     axes[0].legend(fontsize=8)
-    paths.append(_save(fig, outdir / "latency_cdf.png", f"{title}: latency CDFs"))
+    paths.append(save_figure(fig, outdir / "latency_cdf.png", f"{title}: latency CDFs"))
 
     fig, axes = plt.subplots(1, 3, figsize=(12, 4))
     names = [r["run"] for r in runs]
@@ -193,7 +199,7 @@ def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
         ax.margins(y=0.12)
     for ax in axes:
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    paths.append(_save(fig, outdir / "policies.png", f"{title}: policies side by side"))
+    paths.append(save_figure(fig, outdir / "policies.png", f"{title}: policies side by side"))
     return paths
 
 
@@ -213,4 +219,4 @@ def plot_sweep(rows: list[dict[str, Any]], outdir: Path, title: str) -> Path:
         ax.set_ylabel("throughput (req/s)")
         ax.set_title(f"arrival rate {rate}/s")
         ax.legend(fontsize=8)
-    return _save(fig, outdir / "sweep.png", title)
+    return save_figure(fig, outdir / "sweep.png", title)

@@ -22,7 +22,7 @@ from typing import Any
 
 from tiered_kv.sim import trace_stats
 from tiered_kv.sim.config import RunSetup
-from tiered_kv.sim.report import _save
+from tiered_kv.sim.report import save_figure
 from tiered_kv.sim.workload import SimRequest
 
 
@@ -103,7 +103,7 @@ def plot(
     ax.set_ylabel("prefix hit rate (% of prompt tokens)")
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(True, which="major", alpha=0.3)
-    paths = [_save(fig, outdir / "prefix_hit_vs_capacity.png", f"{title}: prefix reuse against capacity")]
+    paths = [save_figure(fig, outdir / "prefix_hit_vs_capacity.png", f"{title}: prefix reuse against capacity")]
 
     fig, ax = plt.subplots(figsize=(9, 4))
     names = [r["run"] for r in runs]
@@ -113,5 +113,5 @@ def plot(
     ax.set_xticks(list(xs), names, rotation=20, fontsize=8)
     ax.set_ylabel("time to first token (s)")
     ax.legend(fontsize=8)
-    paths.append(_save(fig, outdir / "ttft_per_run.png", f"{title}: TTFT per run"))
+    paths.append(save_figure(fig, outdir / "ttft_per_run.png", f"{title}: TTFT per run"))
     return paths
