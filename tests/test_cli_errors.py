@@ -72,7 +72,8 @@ ROWS = {
     ),
     "trace-output-is-input": Row(
         ["trace", "sample", "t.jsonl", "--every", "2", "-o", "t.jsonl"],
-        r"--output t\.jsonl: is the input trace; give another file",
+        r"--output t\.jsonl: is an input of this run \('t\.jsonl'\); "
+        r"an output never overwrites an input, give another path",
         {"t.jsonl": '{"arrival": 0, "prompt_len": 4, "output_len": 2}\n'},
     ),
     # demo
