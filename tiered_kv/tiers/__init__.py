@@ -1,6 +1,6 @@
 """Layer 2: the tiers below the CPU.  A disk store, a shared remote store on Redis, their I/O engines, and the chain.
 
-Each store is a :class:`~tiered_kv.manager.store.BlockStore` (the CPU tier's verbs
+Each store is a :class:`~tiered_kv.tiers.store.BlockStore` (the CPU tier's verbs
 and semantics); each I/O engine moves a block's bytes between the CPU tier's
 tensor (the staging area) and the store's medium on a thread pool, completing
 through a :class:`~tiered_kv.transfer.plan.TransferHandle`.  :class:`TierChain`
