@@ -46,7 +46,7 @@ def load_trace(path: Path) -> list[list[bytes]]:
 
 
 class Driver:
-    """One store behind one interface: ``new``, ``lookup``, ``load``, ``unload``, ``store``, ``complete``, ``finish``."""
+    """One store behind the connector's verbs: new, lookup, load, unload, store, complete, finish."""
 
     def __init__(self, kind: str, policy: str, capacity: int, v=None, old=None) -> None:
         self.kind = kind

@@ -1,4 +1,8 @@
-"""Layer 2: where KV lives.  The tier manager, the CPU store, copies in flight, pricing and victim policies."""
+"""Layer 2: where KV lives.  The tier manager, copies in flight, pricing and victim policies.
+
+The CPU store and the stores below it live beside the manager in :mod:`tiered_kv.tiers`; their
+names are re-exported here for the manager's users.
+"""
 
 from tiered_kv.manager.cost_model import DEFAULT_TIER_LINKS, CostModel, TierLink
 from tiered_kv.manager.metrics import LowerTierCounters, MetricsSnapshot, TierCounters
