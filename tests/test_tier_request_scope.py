@@ -43,7 +43,7 @@ def test_a_requests_hits_loaded_from_the_store_are_its_uses_without_a_touch():
 
 
 def test_the_scheduler_ends_each_step_in_the_store():
-    tm, eng = make_tm(gpu=16, cpu=9, offload="write_through")
+    tm, _ = make_tm(gpu=16, cpu=9, offload="write_through")
     seen = []
     end = tm.store.on_schedule_end
 
