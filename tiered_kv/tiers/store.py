@@ -362,8 +362,9 @@ class BlockStore(abc.ABC):
         """Pin every key (ref +1) for a copy out of the store; return their slots.
 
         Every key must be ready.  Pins keep the slots from being evicted or
-        removed until :meth:`complete_load`.  Recency is not changed here
-        (call :meth:`touch`), as in vLLM.
+        removed until :meth:`complete_load`.  Without a request, recency is
+        not changed here (call :meth:`touch`); the CPU store's request-scoped
+        form counts it as that request's use, as vLLM 0.33 does.
 
         Raises:
             BlockStateError: A key is absent or pending; nothing is pinned.
