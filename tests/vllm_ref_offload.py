@@ -8,6 +8,13 @@ modules they import that are not pure Python bookkeeping are stubbed:
 ``vllm.logger`` (a logger), ``vllm.v1.kv_hints`` (a type used only in an
 annotation) and the offloading connector's metrics (a stats record that keeps
 what is set on it).  torch and numpy are real.
+
+The modules sit in ``sys.modules`` only while they import (and while one of
+vLLM's test files imports, :func:`load_test_module`); then every ``vllm`` entry
+is taken out again and whatever was there before is put back, so the rest of
+the suite still sees that vLLM is not installed.  The policy registry's lazy
+loaders are pointed at the classes already imported, so that building vLLM's
+manager imports nothing later.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from typing import Any
 from vllm_source import vllm_source
 
 _STUBBED = "_tiered_kv_stubbed"
+_LOADED: types.SimpleNamespace | None = None
+_MODULES: dict[str, types.ModuleType] = {}
 
 
 def _package(name: str, path: Path | None) -> types.ModuleType:
@@ -92,30 +101,48 @@ class OffloadingConnectorStats:
 
 def load() -> types.SimpleNamespace:
     """vLLM's modules, as a namespace: ``base``, ``manager``, ``policies_base``, ``lru``, ``arc``, ``factory``."""
+    global _LOADED
+    if _LOADED is not None:
+        return _LOADED
     src = vllm_source()
     root = src / "vllm"
-    for name in ("vllm", "vllm.v1", "vllm.v1.kv_offload", "vllm.v1.kv_offload.cpu", "vllm.v1.kv_offload.cpu.policies",
-                 "vllm.v1.metrics", "vllm.utils", "vllm.distributed", "vllm.distributed.kv_transfer",
-                 "vllm.distributed.kv_transfer.kv_connector", "vllm.distributed.kv_transfer.kv_connector.v1",
-                 "vllm.distributed.kv_transfer.kv_connector.v1.offloading"):  # fmt: skip
-        _package(name, root.joinpath(*name.split(".")[1:]))
-    _module("vllm.logger", init_logger=_init_logger)
-    _module("vllm.v1.kv_hints", KvHintsEnvelope=object, KvHintAction=object)
-    _module(
-        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
-        OffloadingConnectorStats=OffloadingConnectorStats,
-    )
-    imp = importlib.import_module
-    return types.SimpleNamespace(
-        base=imp("vllm.v1.kv_offload.base"),
-        common=imp("vllm.v1.kv_offload.cpu.common"),
-        manager=imp("vllm.v1.kv_offload.cpu.manager"),
-        policies_base=imp("vllm.v1.kv_offload.cpu.policies.base"),
-        lru=imp("vllm.v1.kv_offload.cpu.policies.lru"),
-        arc=imp("vllm.v1.kv_offload.cpu.policies.arc"),
-        factory=imp("vllm.v1.kv_offload.cpu.policies.factory"),
-        src=src,
-    )
+    saved = {k: m for k, m in sys.modules.items() if k.split(".")[0] == "vllm"}
+    for k in saved:
+        del sys.modules[k]
+    try:
+        for name in ("vllm", "vllm.v1", "vllm.v1.kv_offload", "vllm.v1.kv_offload.cpu",
+                     "vllm.v1.kv_offload.cpu.policies", "vllm.v1.metrics", "vllm.utils", "vllm.distributed",
+                     "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
+                     "vllm.distributed.kv_transfer.kv_connector.v1",
+                     "vllm.distributed.kv_transfer.kv_connector.v1.offloading"):  # fmt: skip
+            _package(name, root.joinpath(*name.split(".")[1:]))
+        _module("vllm.logger", init_logger=_init_logger)
+        _module("vllm.v1.kv_hints", KvHintsEnvelope=object, KvHintAction=object)
+        _module(
+            "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
+            OffloadingConnectorStats=OffloadingConnectorStats,
+        )
+        imp = importlib.import_module
+        ns = types.SimpleNamespace(
+            base=imp("vllm.v1.kv_offload.base"),
+            common=imp("vllm.v1.kv_offload.cpu.common"),
+            manager=imp("vllm.v1.kv_offload.cpu.manager"),
+            policies_base=imp("vllm.v1.kv_offload.cpu.policies.base"),
+            lru=imp("vllm.v1.kv_offload.cpu.policies.lru"),
+            arc=imp("vllm.v1.kv_offload.cpu.policies.arc"),
+            factory=imp("vllm.v1.kv_offload.cpu.policies.factory"),
+            src=src,
+        )
+        registry = ns.factory.CachePolicyFactory._registry
+        registry["lru"] = lambda: ns.lru.LRUCachePolicy
+        registry["arc"] = lambda: ns.arc.ARCCachePolicy
+        _MODULES.update({k: m for k, m in sys.modules.items() if k.split(".")[0] == "vllm"})
+    finally:
+        for k in [k for k in sys.modules if k.split(".")[0] == "vllm"]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+    _LOADED = ns
+    return ns
 
 
 def load_test_module(rel: str, name: str, replace: dict[str, Any]) -> types.ModuleType:
@@ -124,7 +151,16 @@ def load_test_module(rel: str, name: str, replace: dict[str, Any]) -> types.Modu
     spec = importlib.util.spec_from_file_location(name, src / rel)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    saved = {k: m for k, m in sys.modules.items() if k.split(".")[0] == "vllm"}
+    try:
+        for k in saved:
+            del sys.modules[k]
+        sys.modules.update(_MODULES)
+        spec.loader.exec_module(mod)
+    finally:
+        for k in [k for k in sys.modules if k.split(".")[0] == "vllm"]:
+            del sys.modules[k]
+        sys.modules.update(saved)
     for k, v in replace.items():
         setattr(mod, k, v)
     return mod
