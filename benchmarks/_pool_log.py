@@ -1,9 +1,9 @@
 """Record a trace's block-pool calls once; replay them against any pool, timed and checked.
 
-The recorder drives the trace through a manager in vLLM's flow
-(:class:`_vllm_style_pool.LinkedManager`) and logs every pool call in block
-ids, so that the same sequence can be replayed against our ``BlockPool``, the
-anchor, and vLLM's own ``BlockPool`` when it is importable.  Each replay first
+The recorder drives the trace through our ``KVCacheManager`` over a recording
+``BlockPool`` and logs every pool call in block ids, so that the same sequence can
+be replayed against our ``BlockPool`` and against vLLM 0.33.0's own ``BlockPool``
+(imported from vLLM's source by ``tests/vllm_ref_core.py``).  Each replay first
 checks that the pool hands out the logged block ids and finds the logged hits,
 call for call, and ends with the same free-queue order and cached set.
 
@@ -14,15 +14,17 @@ block until the first miss; ours calls ``get_cached_prefix(hashes)`` once.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 from types import SimpleNamespace
 
-from _vllm_style_pool import LinkedBlockPool, LinkedManager
+from tiered_kv.core import BlockPool, KVCacheManager, Request
 
-from tiered_kv.core import BlockPool, Request
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 KINDS = ("allocate", "cache", "lookup", "free", "touch")
 UNITS = {"allocate": "block", "cache": "block", "lookup": "probe", "free": "block", "touch": "block"}
@@ -58,28 +60,28 @@ class PoolLog:
         return out
 
 
-class _RecordingPool(LinkedBlockPool):
-    def __init__(self, num_blocks: int, block_size: int, log: PoolLog) -> None:
-        super().__init__(num_blocks, True, block_size)
+class _RecordingPool(BlockPool):
+    """Our pool, logging each call our manager makes (in block ids) before making it."""
+
+    def __init__(self, num_blocks: int, log: PoolLog) -> None:
+        super().__init__(num_blocks)
         self.log = log
 
-    def get_cached_block(self, block_hash, kv_cache_group_ids):
-        return super().get_cached_block(block_hash, kv_cache_group_ids)
+    def get_cached_prefix(self, block_hashes, max_blocks=None):
+        hits = super().get_cached_prefix(block_hashes, max_blocks)
+        cap = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
+        # What vLLM's probe loop reads: each hit, then the first miss (if the cap allows one).
+        self.log.calls.append(("lookup", list(block_hashes[: min(len(hits) + 1, cap)]), len(hits)))
+        return hits
 
     def get_new_blocks(self, num_blocks):
-        self.log.evicted += sum(1 for b in self.free_block_queue_front(num_blocks) if b.block_hash is not None)
+        self.log.evicted += sum(1 for b in self.peek_free_blocks(num_blocks) if b.block_hash is not None)
         ret = super().get_new_blocks(num_blocks)
         self.log.calls.append(("allocate", num_blocks, [b.block_id for b in ret]))
         return ret
 
-    def free_block_queue_front(self, n: int) -> list:
-        out, cur = [], self.free_block_queue.head.next_free_block
-        while len(out) < n and cur is not self.free_block_queue.tail:
-            out.append(cur)
-            cur = cur.next_free_block
-        return out
-
     def touch(self, blocks):
+        blocks = list(blocks)
         self.log.calls.append(("touch", [b.block_id for b in blocks]))
         super().touch(blocks)
 
@@ -88,26 +90,17 @@ class _RecordingPool(LinkedBlockPool):
         self.log.calls.append(("free", [b.block_id for b in blocks]))
         super().free_blocks(blocks)
 
-    def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size, group_id):
-        ids = [b.block_id for b in blocks[:num_full_blocks]]
-        self.log.calls.append(("cache", request.block_hashes, ids, num_cached_blocks, num_full_blocks))
-        super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size, group_id)
-
-
-class _RecordingManager(LinkedManager):
-    def get_computed_blocks(self, request):
-        hits, n = super().get_computed_blocks(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        probes = request.block_hashes[: min(len(hits) + 1, max_blocks)]
-        self.block_pool.log.calls.append(("lookup", probes, len(hits)))
-        return hits, n
+    def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks, block_size):
+        if num_full_blocks > num_cached_blocks:
+            ids = [b.block_id for b in blocks[:num_full_blocks]]
+            self.log.calls.append(("cache", request.block_hashes, ids, num_cached_blocks, num_full_blocks))
+        super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size)
 
 
 def record_pool_log(drive: Callable[[object], object], num_blocks: int, block_size: int) -> PoolLog:
-    """Run ``drive(manager)`` over a recording manager in vLLM's flow; return its pool calls."""
+    """Run ``drive(manager)`` over our manager on a recording pool; return its pool calls."""
     log = PoolLog(num_blocks, block_size)
-    mgr = _RecordingManager(num_blocks, block_size, pool=_RecordingPool(num_blocks, block_size, log))
-    drive(mgr)
+    drive(KVCacheManager(block_size=block_size, block_pool=_RecordingPool(num_blocks, log), log_stats=False))
     return log
 
 
@@ -145,8 +138,6 @@ class Target:
 
     def free_ids(self, pool) -> list[int]:
         """Free block ids, front first (not timed)."""
-        if isinstance(pool, LinkedBlockPool):
-            return pool.free_ids()
         if self.vllm_api:
             return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
         return pool.free_queue_ids()
@@ -160,19 +151,17 @@ def ours() -> Target:
     return Target("tiered_kv BlockPool", lambda n, bs: BlockPool(n), vllm_api=False)
 
 
-def anchor() -> Target:
-    return Target("vLLM-structure anchor", lambda n, bs: LinkedBlockPool(n, True, bs), vllm_api=True)
-
-
 def real_vllm() -> tuple[Target | None, str]:
-    """vLLM's own ``BlockPool`` if vLLM is importable, else ``None`` and why not."""
+    """vLLM 0.33.0's own ``BlockPool``, loaded from its source, else ``None`` and why not."""
     try:
-        import vllm
-        from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
-    except Exception as exc:  # not installed, or a dependency is missing
+        import vllm_ref_core
+        from vllm_source import VLLM_VERSION
+
+        ref = vllm_ref_core.load()
+    except BaseException as exc:  # no source and no network: vllm_source skips (a BaseException)
         return None, f"{type(exc).__name__}: {exc}"
-    version = getattr(vllm, "__version__", "?")
-    return Target(f"vLLM {version} BlockPool", lambda n, bs: VllmBlockPool(n, True, bs), vllm_api=True), version
+    target = Target(f"vLLM {VLLM_VERSION} BlockPool", lambda n, bs: ref.BlockPool(n, True, bs), vllm_api=True)
+    return target, VLLM_VERSION
 
 
 def prepare(target: Target, pool, log: PoolLog) -> list[tuple]:

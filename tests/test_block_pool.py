@@ -2,7 +2,7 @@
 
 from poolutil import admit, letters, queue
 
-from tiered_kv.core import BlockPool, BlockRemoved, BlockStored, KVCacheManager, Request
+from tiered_kv.core import BlockPool, BlockRemoved, BlockStored, KVCacheManager, Request, external_hash
 
 
 def test_null_block_is_block_zero_and_never_handed_out():
@@ -54,7 +54,7 @@ def test_eviction_happens_only_at_hand_out():
     got = pool.get_new_blocks(1)
     assert got[0].block_id == 3 and got[0].block_hash is None
     assert pool.get_cached_block(h3) is None
-    assert pool.take_events() == [BlockRemoved([h3], "GPU")]
+    assert pool.take_events() == [BlockRemoved([external_hash(h3, True)], "GPU", 0)]
     assert queue(pool) == ["2*", "1*"]
 
 
@@ -148,18 +148,36 @@ def test_reset_prefix_cache_refused_while_blocks_are_held():
 
 
 def test_block_stored_events_carry_chain_and_tokens():
-    mgr = KVCacheManager(10, block_size=2, enable_kv_cache_events=True, medium="GPU")
-    r = Request("r", letters("abcde"), lora_name="adapter")
+    mgr = KVCacheManager(10, block_size=2, enable_kv_cache_events=True, medium="GPU", kv_events_int_hashes=False)
+    r = Request("r", letters("abcde"), lora_name="adapter", cache_salt="s")
     mgr.allocate_slots(r, 5)
     (ev,) = mgr.take_events()
-    assert ev == BlockStored(r.block_hashes[:2], None, letters("abcd"), 2, "adapter", "GPU")
+    h = r.block_hashes
+    keys = [("adapter", "s"), ("adapter",)]  # vLLM's untagged extra keys: LoRA name, salt on block 0
+    # The manager names its group's kind, as vLLM's KVCacheManager.take_events does.
+    kind = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    assert ev == BlockStored(h[:2], None, letters("abcd"), 2, None, "GPU", "adapter", keys, **kind)
     r.num_computed_tokens = 5
     r.append_output_token_ids(ord("f"))
-    mgr.allocate_slots(r, 1)
+    mgr.allocate_slots(r, 1)  # the one-block path builds the same shape
     (ev,) = mgr.take_events()
-    assert ev.block_hashes == [r.block_hashes[2]] and ev.parent_block_hash == r.block_hashes[1]
-    assert ev.token_ids == letters("ef")
+    assert ev == BlockStored([h[2]], h[1], letters("ef"), 2, None, "GPU", "adapter", [("adapter",)], **kind)
     assert mgr.take_events() == []
+
+
+def test_events_publish_hashes_as_64_bit_ints_by_default():
+    mgr = KVCacheManager(4, block_size=2, enable_kv_cache_events=True)
+    r = admit(mgr, "r", "aabbc")
+    h = r.block_hashes
+    as_int = [int.from_bytes(x, "big") & (2**64 - 1) for x in h[:2]]
+    (ev,) = mgr.take_events()
+    kind = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    assert ev == BlockStored(as_int, None, letters("aabb"), 2, None, "GPU", None, [None, None], **kind)
+    mgr.free(r)
+    assert queue(mgr.block_pool) == ["3", "2*", "1*"]
+    mgr.block_pool.get_new_blocks(3)  # evicts 2 then 1: one event each, in hand-out order
+    assert mgr.take_events() == [BlockRemoved([as_int[1]], "GPU", 0), BlockRemoved([as_int[0]], "GPU", 0)]
+    assert mgr.block_pool.num_evicted_blocks == 2
 
 
 def test_prefix_cache_stats_count_tokens():
@@ -199,7 +217,7 @@ def test_touch_and_free_skip_null_blocks_as_vllm_does():
 
 
 def test_cache_full_blocks_skips_null_blocks_and_blocks_already_cached_under_their_hash():
-    mgr = KVCacheManager(8, block_size=2, enable_kv_cache_events=True)
+    mgr = KVCacheManager(8, block_size=2, enable_kv_cache_events=True, kv_events_int_hashes=False)
     pool = mgr.block_pool
     r = admit(mgr, "r", "aabbcc")  # blocks 1 2 3, all cached
     pool.take_events()
@@ -217,7 +235,8 @@ def test_cache_full_blocks_skips_null_blocks_and_blocks_already_cached_under_the
     assert [b.block_hash for b in fresh] == r.block_hashes[1:]
     (ev,) = pool.take_events()
     assert isinstance(ev, BlockStored) and ev.block_hashes == r.block_hashes[1:]
-    assert ev.parent_block_hash == r.block_hashes[0] and ev.token_ids == letters("bbcc")
+    # vLLM's shape: the parent is the hash before the range and the tokens span it, null block included.
+    assert ev.parent_block_hash is None and ev.token_ids == letters("aabbcc")
     pool.check_invariants()
 
 

@@ -1,6 +1,12 @@
 """The free queue keeps vLLM's order exactly, including across lazy removals."""
 
+import subprocess
+import sys
+
+import pytest
+
 from tiered_kv.core import FreeBlockQueue, KVCacheBlock
+from tiered_kv.errors import NotEnoughFreeBlocksError
 
 
 def ids(q: FreeBlockQueue) -> list[int]:
@@ -56,3 +62,45 @@ def test_compaction_keeps_order_and_bounds_memory():
     q.append_n(blocks[50:53])
     assert ids(q)[-3:] == [50, 51, 52]
     assert [b.block_id for b in q.popleft_n(23)] == [*range(10), *range(190, 200), 50, 51, 52]
+
+
+def test_popleft_on_an_empty_queue_raises_vllms_value_error_and_changes_nothing():
+    q = FreeBlockQueue([KVCacheBlock(1)])
+    q.popleft()
+    with pytest.raises(ValueError, match=r"^No free blocks available$") as e:
+        q.popleft()
+    assert isinstance(e.value, NotEnoughFreeBlocksError)
+    assert (q.num_free_blocks, q.get_all_free_blocks()) == (0, [])
+    with pytest.raises(NotEnoughFreeBlocksError):
+        q.popleft_n(1)
+    assert (q.num_free_blocks, q.get_all_free_blocks()) == (0, [])
+
+
+_OPTIMIZED_POPLEFT = """
+import sys
+from tiered_kv.core import FreeBlockQueue, KVCacheBlock
+assert sys.flags.optimize == 1
+q = FreeBlockQueue([KVCacheBlock(1), KVCacheBlock(2)])
+try:
+    q.popleft_n(3)
+except ValueError as e:
+    print("popleft_n:", e)
+q.popleft_n(2)
+try:
+    q.popleft()
+except ValueError as e:
+    print("popleft:", e)
+print("free:", q.num_free_blocks, [b.block_id for b in q.get_all_free_blocks()])
+"""
+
+
+def test_empty_queue_errors_hold_under_python_dash_o():
+    """No assertion carries control flow: under ``-O`` the checks still raise and the count stays right."""
+    out = subprocess.run(
+        [sys.executable, "-O", "-c", _OPTIMIZED_POPLEFT], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out.splitlines() == [
+        "popleft_n: cannot take 3 blocks: 2 free",
+        "popleft: No free blocks available",
+        "free: 0 []",
+    ]

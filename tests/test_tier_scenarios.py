@@ -210,3 +210,23 @@ def test_auto_recomputes_and_says_so_when_the_cpu_tier_is_full():
     assert p.mode is PreemptMode.RECOMPUTE
     assert "the CPU tier has no room for 3 blocks although swapping would be cheaper" in p.reason
     assert tm.decision_log[-1].reason == p.reason
+
+
+def test_gpu_evictions_are_counted_at_poll_from_the_pool_without_its_events():
+    tm, eng = make_tm(gpu=6, cpu=0)
+    pool = tm.gpu.block_pool
+    assert pool.enable_kv_cache_events is False  # the count needs no events
+    run(tm, "A", "AAAABBBBCCCC")  # [1 2 3], all cached
+    tm.free("A")
+    assert gq(tm) == ["4", "5", "3*", "2*", "1*"]
+    run(tm, "B", "XXXXYYYYZZZZ")  # 4 5 3: block 3 is evicted at hand-out
+    assert tm.gpu_block_ids("B") == [4, 5, 3] and pool.num_evicted_blocks == 1
+    assert tm.counters.gpu_blocks_evicted == 0  # counted when the manager polls, as before
+    settle(tm, eng)
+    assert tm.counters.gpu_blocks_evicted == 1
+    tm.free("B")
+    run(tm, "C", "PPPPQQQQRRRR")  # B's 3 5 4 went back cached; C takes 2 1 then 3: evicts 2 1 3
+    assert tm.gpu_block_ids("C") == [2, 1, 3]
+    settle(tm, eng)
+    assert (tm.counters.gpu_blocks_evicted, pool.num_evicted_blocks, pool.take_events()) == (4, 4, [])
+    tm.check_invariants()

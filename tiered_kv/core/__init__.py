@@ -4,7 +4,14 @@ from tiered_kv.core import block_pool as _block_pool_module
 from tiered_kv.core.block import BlockHash, KVCacheBlock
 from tiered_kv.core.block_hasher import BlockHasher
 from tiered_kv.core.block_pool import BlockPool
-from tiered_kv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from tiered_kv.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVCacheEvent,
+    external_hash,
+)
 from tiered_kv.core.free_queue import FreeBlockQueue
 from tiered_kv.core.hashing import fast_block_hash, get_hash_fn, hash_block_tokens, sha256_block_hash
 from tiered_kv.core.kv_cache_manager import KVCacheManager
@@ -22,6 +29,7 @@ __all__ = [
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
+    "ExternalBlockHash",
     "FreeBlockQueue",
     "KVCacheBlock",
     "KVCacheEvent",
@@ -29,6 +37,7 @@ __all__ = [
     "MultiModalFeature",
     "PrefixCacheStats",
     "Request",
+    "external_hash",
     "fast_block_hash",
     "get_hash_fn",
     "hash_block_tokens",

@@ -1,7 +1,11 @@
-"""BlockPool: vLLM v1's prefix-cached block pool, decision for decision.
+"""BlockPool: vLLM 0.33.0's prefix-cached block pool, decision for decision, for one KV cache group.
 
-Names and behaviour follow ``vllm/v1/core/block_pool.py`` (see
-``shared/seeds/vllm-block-pool-internals.txt``):
+Names and behaviour follow vLLM 0.33.0's ``vllm/v1/core/block_pool.py``, and are
+checked against that code: ``tests/test_vllm_pool_diff.py`` replays seeded random
+traces through vLLM's own ``BlockPool`` and this one side by side (every answer,
+the free-queue order, owner counts, hashes and every event), and
+``tests/test_vllm_unit_tests.py`` runs vLLM's own unit tests of the pool against it.
+Several KV cache groups, partial-block entries and lookahead hashing are not built.
 
 * ``get_new_blocks`` takes from the front of the free queue; a block that still
   carries a hash is evicted at that moment and not before (lazy eviction).
@@ -15,6 +19,8 @@ Names and behaviour follow ``vllm/v1/core/block_pool.py`` (see
 * Block 0 is the null block, never handed out.  ``touch`` and ``free_blocks``
   skip it, as vLLM does: hybrid and sliding-window block tables hold null
   blocks in place of blocks that fell out of the window, and pass them along.
+
+Events (opt-in) are vLLM 0.33's, emitted where vLLM emits them: see :mod:`.events`.
 
 Every public method is all-or-nothing: misuse raises a
 :class:`~tiered_kv.errors.TieredKVError` subclass and leaves the pool exactly
@@ -35,9 +41,17 @@ from tiered_kv import checks
 from tiered_kv.core import pool_checks as pc
 from tiered_kv.core.block import BlockHash, KVCacheBlock
 from tiered_kv.core.compile_hints import mypyc_attr
-from tiered_kv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from tiered_kv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from tiered_kv.core.free_queue import FreeBlockQueue
-from tiered_kv.core.pool_cache import CacheMap, cache_one, cache_range, check_state, num_cached_blocks, stored_event
+from tiered_kv.core.pool_cache import (
+    CacheMap,
+    cache_one,
+    cache_range,
+    check_state,
+    event_extra_keys,
+    num_cached_blocks,
+    stored_event,
+)
 from tiered_kv.core.request import Request
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, NotEnoughFreeBlocksError
 
@@ -53,6 +67,9 @@ class BlockPool:
         enable_caching: Prefix caching; off makes the pool a LIFO allocator.
         enable_kv_cache_events: Queue :mod:`tiered_kv.core.events` for ``take_events``.
         medium: ``"GPU"`` or ``"CPU"``; the tier this pool stands for.
+        kv_events_int_hashes: Publish event hashes as 64-bit ints (vLLM's default,
+            ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or, with ``False``, as the
+            pool holds them (see :func:`~tiered_kv.core.events.external_hash`).
 
     Invariants (checked by the tests after every operation):
         * free + held == num_blocks - 1 (the null block is neither).
@@ -66,8 +83,10 @@ class BlockPool:
         enable_caching: object = True,
         enable_kv_cache_events: object = False,
         medium: object = "GPU",
+        kv_events_int_hashes: object = True,
     ) -> None:
         n, caching, events, tier = pc.check_pool_args(num_blocks, enable_caching, enable_kv_cache_events, medium)
+        int_hashes = checks.flag("kv_events_int_hashes", kv_events_int_hashes)
         self.num_gpu_blocks: int = n  # vLLM's name, kept for adapters
         self.num_blocks: int = n
         self.enable_caching: bool = caching
@@ -78,7 +97,11 @@ class BlockPool:
         self.null_block: KVCacheBlock = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.enable_kv_cache_events: bool = events
+        self.kv_events_int_hashes: bool = int_hashes
         self.kv_event_queue: list[KVCacheEvent] = []
+        #: Blocks evicted so far (handed out by ``get_new_blocks`` while still carrying a hash):
+        #: the count a manager needs, without turning events on.
+        self.num_evicted_blocks: int = 0
         # Called by get_new_blocks with (blocks, their old hashes) just evicted, after
         # the blocks are handed out; for a tier that saves what the GPU evicts.
         self.on_evict: Callable[[list[KVCacheBlock], list[BlockHash]], None] | None = None
@@ -148,8 +171,10 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: object) -> list[KVCacheBlock]:
         """Take ``num_blocks`` (an int >= 0) blocks from the front, each with ``ref_cnt`` 1.
 
-        A block that still carries a hash loses it now (and a ``BlockRemoved``
-        event is queued): this is the only place cached data is discarded.
+        A block that still carries a hash loses it now (a ``BlockRemoved``
+        event per such block is queued, in hand-out order, and
+        ``num_evicted_blocks`` counts it): this is the only place cached data is
+        discarded.
         One loop takes each block, skips the dead queue entries that ``touch``
         leaves (see :mod:`.free_queue`), evicts and hands out.
 
@@ -175,6 +200,7 @@ class BlockPool:
         cmap = self.cached_block_hash_to_block
         ret: list[KVCacheBlock] = []
         skipped = 0
+        evicted = 0
         for _ in range(num_blocks):
             block = pop()
             while block.stale:  # a dead entry left by touch: drop it and take the next
@@ -183,6 +209,7 @@ class BlockPool:
                 block = pop()
             h = block.block_hash
             if h is not None:
+                evicted += 1
                 if doomed is not None:
                     doomed.append(block)
                     old_hashes.append(h)
@@ -199,12 +226,16 @@ class BlockPool:
             ret.append(block)
         if skipped:
             fq._num_stale -= skipped
+        if evicted:
+            self.num_evicted_blocks += evicted
         if doomed:
-            removed = old_hashes
             if self.enable_kv_cache_events:
-                self.kv_event_queue.append(BlockRemoved(removed, self.medium))
+                # One event per block, as vLLM 0.33 emits them (consumers mirror block by block).
+                as_int, medium, queue = self.kv_events_int_hashes, self.medium, self.kv_event_queue
+                for h in old_hashes:
+                    queue.append(BlockRemoved([external_hash(h, as_int)], medium, 0))
             if self.on_evict is not None:
-                self.on_evict(doomed, removed)
+                self.on_evict(doomed, old_hashes)
         return ret
 
     def touch(self, blocks: object) -> None:
@@ -378,14 +409,20 @@ class BlockPool:
             if cache_one(self.blocks, self.cached_block_hash_to_block, blocks[num_cached_blocks], h):
                 if self.enable_kv_cache_events:  # the event the general path queues for this one block
                     start = num_cached_blocks * block_size
+                    as_int = self.kv_events_int_hashes
                     self.kv_event_queue.append(
                         BlockStored(
-                            block_hashes=[h],
-                            parent_block_hash=hashes[num_cached_blocks - 1] if num_cached_blocks else None,
+                            block_hashes=[external_hash(h, as_int)],
+                            parent_block_hash=external_hash(hashes[num_cached_blocks - 1], as_int)
+                            if num_cached_blocks
+                            else None,
                             token_ids=request.all_token_ids[start : start + block_size],
                             block_size=block_size,
-                            lora_name=request.lora_name,
+                            lora_id=None,
                             medium=self.medium,
+                            lora_name=request.lora_name,
+                            extra_keys=event_extra_keys(request, [num_cached_blocks], block_size),
+                            group_idx=0,
                         )
                     )
                 return
@@ -396,7 +433,7 @@ class BlockPool:
         cmap = self.cached_block_hash_to_block
         skipped = cache_range(self.blocks, cmap, table, req.block_hashes, first, last, self.medium)
         if self.enable_kv_cache_events:
-            event = stored_event(req, table, first, last, bs, skipped, self.medium)
+            event = stored_event(req, table, first, last, bs, skipped, self.medium, self.kv_events_int_hashes)
             if event is not None:
                 self.kv_event_queue.append(event)
 

@@ -1,7 +1,8 @@
 """The free queue: the order in which free blocks are reused.
 
 The order is the eviction policy (front = reused first), so it is the contract
-this module keeps exactly as vLLM v1's ``FreeKVCacheBlockQueue`` does.  The
+this module keeps exactly as vLLM 0.33.0's ``FreeKVCacheBlockQueue`` does (its own
+unit tests run against this queue: ``tests/test_vllm_unit_tests.py``).  The
 representation is ours and was chosen by measurement
 (``benchmarks/bench_block_pool.py --queues``): vLLM threads a doubly linked list
 through the block objects, which costs several Python attribute writes per
@@ -29,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from itertools import islice, repeat
 
 from tiered_kv.core.block import KVCacheBlock
+from tiered_kv.errors import InvalidArgumentError, NotEnoughFreeBlocksError
 
 
 class FreeBlockQueue:
@@ -58,12 +60,30 @@ class FreeBlockQueue:
         return self.num_free_blocks
 
     def popleft(self) -> KVCacheBlock:
-        """Take the front block."""
+        """Take the front block.
+
+        Raises:
+            NotEnoughFreeBlocksError: the queue is empty (nothing changes).  It is a
+                ``ValueError`` with vLLM 0.33's message, ``"No free blocks available"``,
+                and an explicit check rather than an assertion, so that it holds
+                under ``python -O`` too.
+        """
+        if self.num_free_blocks == 0:
+            raise NotEnoughFreeBlocksError("No free blocks available")
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
-        """Take ``n`` blocks from the front, in queue order.  ``n`` must not exceed the free count."""
-        assert 0 <= n <= self.num_free_blocks, f"popleft_n({n}) with {self.num_free_blocks} free"
+        """Take ``n`` blocks from the front, in queue order.
+
+        Raises:
+            InvalidArgumentError: ``n`` is not an int >= 0.
+            NotEnoughFreeBlocksError: ``n`` exceeds the free count (nothing changes;
+                vLLM asserts here, which ``python -O`` would skip).
+        """
+        if type(n) is not int or n < 0:
+            raise InvalidArgumentError(f"popleft_n takes an int >= 0, got {n!r}")
+        if n > self.num_free_blocks:
+            raise NotEnoughFreeBlocksError(f"cannot take {n} blocks: {self.num_free_blocks} free")
         self.num_free_blocks -= n
         pop = self._dq.popleft
         if not self._num_stale:

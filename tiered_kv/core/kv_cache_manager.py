@@ -18,17 +18,21 @@ Block tables are append-only: an id, once in a table, is never replaced.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import replace
 
 from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.block_hasher import BlockHasher
 from tiered_kv.core.block_pool import BlockPool
 from tiered_kv.core.compile_hints import mypyc_attr
-from tiered_kv.core.events import KVCacheEvent
+from tiered_kv.core.events import BlockStored, KVCacheEvent
 from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.request import Request
 from tiered_kv.core.stats import PrefixCacheStats
 from tiered_kv.errors import InvalidArgumentError
+
+FULL_ATTENTION = "full_attention"
+"""vLLM's ``KVCacheSpecKind.FULL_ATTENTION.value``: the kind of tiered_kv's one KV cache group."""
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -41,6 +45,8 @@ class KVCacheManager:
         enable_caching: Prefix caching.
         hash_fn: ``"sha256"``, ``"fast"`` or a callable (see :mod:`.hashing`).
         hash_seed: Seed of the root hash.
+        enable_kv_cache_events: Queue the pool's events (see :mod:`.events`).
+        kv_events_int_hashes: Events publish hashes as 64-bit ints (vLLM's default) or as held.
         block_pool: An existing pool to manage (the tier manager shares pools).
         log_stats: Count prefix-cache statistics.
         max_model_len: Cap on slots per request (``None``: no cap).
@@ -55,6 +61,7 @@ class KVCacheManager:
         hash_fn: str | HashFn = "sha256",
         hash_seed: object = 0,
         enable_kv_cache_events: object = False,
+        kv_events_int_hashes: object = True,
         block_pool: object = None,
         medium: object = "GPU",
         log_stats: object = True,
@@ -70,7 +77,7 @@ class KVCacheManager:
         if block_pool is None:
             if num_blocks is None:
                 raise InvalidArgumentError("give num_blocks or block_pool")
-            block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
+            block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium, kv_events_int_hashes)
         elif not isinstance(block_pool, BlockPool):
             raise InvalidArgumentError(f"block_pool must be a BlockPool, got {checks.describe(block_pool)}")
         self.block_pool: BlockPool = block_pool
@@ -437,4 +444,14 @@ class KVCacheManager:
         return ok
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()
+        """The pool's events since the last call, each ``BlockStored`` labelled with its KV cache kind.
+
+        As vLLM 0.33's ``KVCacheManager.take_events`` does: the pool emits structure only, and
+        the manager, which knows its one group is full attention, names the kind
+        (``"full_attention"``, no sliding window) so that a consumer can classify the blocks.
+        """
+        events = self.block_pool.take_events()
+        for i, ev in enumerate(events):
+            if isinstance(ev, BlockStored) and ev.group_idx == 0:
+                events[i] = replace(ev, kv_cache_spec_kind=FULL_ATTENTION)
+        return events

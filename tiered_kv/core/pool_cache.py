@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from tiered_kv.core import pool_checks as pc
 from tiered_kv.core.block import BlockHash, KVCacheBlock
-from tiered_kv.core.events import BlockStored
+from tiered_kv.core.events import BlockStored, external_hash
 from tiered_kv.core.request import Request
 from tiered_kv.errors import BlockStateError, TieredKVError
 
@@ -156,21 +156,55 @@ def stored_event(
     block_size: int,
     skipped: list[int] | None,
     medium: str,
+    as_int: bool,
 ) -> BlockStored | None:
-    """The ``BlockStored`` event of a ``cache_range`` call (``None`` if it cached nothing)."""
+    """The ``BlockStored`` event of a ``cache_range`` call, as vLLM 0.33's ``cache_full_blocks`` builds it.
+
+    The parent is the hash before ``first`` and the tokens span the whole range,
+    whether or not its first blocks are null (vLLM's shape).  ``None`` only when
+    every non-null block of the range was skipped because it already carried its
+    hash (a case vLLM does not have: it never re-caches a cached block).
+    """
     new_idx = [i for i in range(first, last) if not blocks[i].is_null and (skipped is None or i not in skipped)]
-    if not new_idx:
+    if not new_idx and skipped is not None:
         return None
     hashes = request.block_hashes
-    start, end = new_idx[0], new_idx[-1] + 1
     return BlockStored(
-        block_hashes=[hashes[i] for i in new_idx],
-        parent_block_hash=hashes[start - 1] if start else None,
-        token_ids=request.all_token_ids[start * block_size : end * block_size],
+        block_hashes=[external_hash(hashes[i], as_int) for i in new_idx],
+        parent_block_hash=external_hash(hashes[first - 1], as_int) if first else None,
+        token_ids=request.all_token_ids[first * block_size : last * block_size],
         block_size=block_size,
-        lora_name=request.lora_name,
+        lora_id=None,
         medium=medium,
+        lora_name=request.lora_name,
+        extra_keys=event_extra_keys(request, new_idx, block_size),
+        group_idx=0,
     )
+
+
+def event_extra_keys(request: Request, idx: list[int], block_size: int) -> list[tuple[object, ...] | None] | None:
+    """One entry per block index in ``idx``: the keys its hash covers, in vLLM's untagged event form.
+
+    LoRA name, then ``(identifier, offset - block start)`` of each multimodal
+    input overlapping the block, then the cache salt on block 0; ``None`` for a block with none, and
+    ``None`` for no blocks at all (vLLM's ``to_event_extra_keys``).
+    """
+    if not idx:
+        return None
+    lora, mm, salt = request.lora_name, request.mm_features, request.cache_salt
+    if lora is None and not mm and (salt is None or idx[0] != 0):
+        return [None] * len(idx)
+    out: list[tuple[object, ...] | None] = []
+    for i in idx:
+        start, end = i * block_size, (i + 1) * block_size
+        keys: list[object] = [] if lora is None else [lora]
+        for f in mm:
+            if f.offset < end and f.offset + f.length > start:
+                keys.append((f.identifier, f.offset - start))  # vLLM: the offset relative to the block
+        if i == 0 and salt is not None:
+            keys.append(salt)
+        out.append(tuple(keys) if keys else None)
+    return out
 
 
 def num_cached_blocks(cmap: CacheMap) -> int:

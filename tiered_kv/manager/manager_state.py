@@ -63,6 +63,7 @@ class ManagerState:
     _lower: LowerTiers | None
     _held: dict[Hashable, Held]
     _tick: int
+    _gpu_evicted_seen: int
     _lock: threading.RLock
 
     def _get(self, request_id: Hashable, *allowed: Residency) -> Held:

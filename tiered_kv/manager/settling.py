@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from tiered_kv import checks
-from tiered_kv.core.events import BlockRemoved
 from tiered_kv.manager.guard import exclusive
 from tiered_kv.manager.manager_state import ManagerState
 from tiered_kv.manager.outcomes import Completion
@@ -121,7 +120,12 @@ class Settling(ManagerState):
         return Completion(t.plan.plan_id, rid, PlanKind.ONBOARD, True, 0, Residency.GPU)
 
     def _drain_events(self) -> None:
-        """Evictions reach the manager as the pool's events, drained here (the pool never calls up)."""
-        for ev in self.gpu.take_events():
-            if isinstance(ev, BlockRemoved):
-                self.counters.gpu_blocks_evicted += len(ev.block_hashes)
+        """GPU evictions since the last poll join the counters here (the pool never calls up).
+
+        The pool counts them itself (``num_evicted_blocks``), so the manager keeps the
+        pool's events off: building a ``BlockStored`` per cached range and a
+        ``BlockRemoved`` per eviction only to count the latter cost more than the count.
+        """
+        n = self.gpu.block_pool.num_evicted_blocks
+        self.counters.gpu_blocks_evicted += n - self._gpu_evicted_seen
+        self._gpu_evicted_seen = n

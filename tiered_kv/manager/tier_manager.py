@@ -116,7 +116,6 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
             enable_caching=enable_caching,
             hash_fn=hash_fn,
             hash_seed=hash_seed,
-            enable_kv_cache_events=enable_caching,
         )
         self.cost_model = checked_cost_model(kv_spec, cost_model, copy_engine, block_size)
         spec = kv_spec if kv_spec is not None else getattr(copy_engine, "spec", None)
@@ -139,6 +138,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         self._lower: LowerTiers | None = None
         self._held: dict[Hashable, Held] = {}
         self._tick = 0
+        self._gpu_evicted_seen = 0  # the GPU pool's eviction count at the last poll
         self._lock = threading.RLock()
 
     # ============================================================ admission
