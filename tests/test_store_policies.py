@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.tiers.cpu_store import CPUStore
-from tiered_kv.tiers.policies import CACHE_POLICIES
+from tiered_kv.tiers.policies import CACHE_POLICIES, get_cache_policy_cls, register_cache_policy
 from tiered_kv.tiers.store import LoadStoreSpec, PrepareStoreOutput, RequestContext
 
 NAMES = sorted(CACHE_POLICIES)
@@ -218,3 +219,33 @@ def test_arc_ghost_lists_are_bounded_by_the_capacity():
     for i in range(6):
         serve(store, f"r{i}", [f"k{i}"])
     assert store.policy.b1 == ("k2", "k3") and store.capacity == 2
+
+
+# -------------------------------------------------------------------- factory
+def test_an_unknown_policy_names_the_known_ones():
+    with pytest.raises(InvalidArgumentError, match=r"policy must be one of \['arc', 'lru'\], got 'fifo'"):
+        CPUStore(4, "fifo")
+    with pytest.raises(InvalidArgumentError, match=r"cannot import cache policy module 'no_such_module'"):
+        CPUStore(4, "fifo", policy_module_path="no_such_module")
+    with pytest.raises(InvalidArgumentError, match=r"store_policy_fifo.nothing is not a CachePolicy subclass"):
+        CPUStore(4, "nothing", policy_module_path="store_policy_fifo")
+
+
+def test_a_users_policy_loads_by_module_path_without_registering():
+    store = CPUStore(3, "FIFOPolicy", policy_module_path="store_policy_fifo")  # defined outside the package
+    serve(store, "A", ["a0", "a1"])
+    assert serve(store, "B", ["b0"]) == ["a0"]  # first in, first out: no request ranking
+    assert "FIFOPolicy" not in CACHE_POLICIES
+
+
+def test_a_users_policy_registers_by_name_once(monkeypatch):
+    import store_policy_fifo
+
+    monkeypatch.setattr("tiered_kv.tiers.policies.factory.CACHE_POLICIES", dict(CACHE_POLICIES))
+    register_cache_policy("fifo", store_policy_fifo.FIFOPolicy)
+    assert get_cache_policy_cls("fifo") is store_policy_fifo.FIFOPolicy
+    assert CPUStore(4, "fifo").policy.name == "fifo"
+    with pytest.raises(InvalidArgumentError, match="cache policy 'fifo' is already registered"):
+        register_cache_policy("fifo", store_policy_fifo.FIFOPolicy)
+    with pytest.raises(InvalidArgumentError, match="cls must be a CachePolicy subclass"):
+        register_cache_policy("dict", dict)
