@@ -23,6 +23,14 @@ TINY: dict[str, Any] = {
         "pcie_gbps_per_direction": 4.096e-6,
         "pcie_efficiency": 1.0,
         "per_copy_overhead_s": 0.0,
+        "step_model": {
+            "mfu": 0.5,
+            "prefill_mfu": 0.5,
+            "hbm_efficiency": 0.8,
+            "per_step_s": 5e-4,
+            "per_seq_s": 0.0,
+            "frontend_s": 0.0,
+        },
     },
     "model": {
         "name": "toy",
@@ -32,6 +40,7 @@ TINY: dict[str, Any] = {
         "num_heads": 1,
         "num_kv_heads": 1,
         "head_dim": 64,
+        "vocab_size": 0,
         "dtype": "float16",
     },
     "hash": "sha256",

@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-from simutil import KIB_IN_GIB, config, run
+from simutil import KIB_IN_GIB, TINY, config, run
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.runner import simulate, sweep
@@ -95,6 +95,7 @@ def busy_config(**changes):
             "pcie_gbps_per_direction": 1.0e-4,
             "pcie_efficiency": 1.0,
             "per_copy_overhead_s": 1.0e-4,
+            "step_model": TINY["hardware"]["step_model"],
         },
         runs=[
             {"name": "recompute", "policy": "lru", "mode": "recompute", "offload": "none", "cpu_kv_gib": 0},
@@ -161,11 +162,11 @@ BAD = [
     ({"runs": [{"name": "x", "policy": "random"}]}, r"runs\[0\]\.policy: must be one of"),
     ({"runs": [{"name": "x"}, {"name": "x"}]}, r"runs: run names must be unique"),
     ({"memory__cpu_kv_gib": 2048}, r"memory\.cpu_kv_gib: 2048 GiB exceeds memory\.host_memory_gib"),
-    ({"model": {"num_params": 1.0e12}}, r"model: custom needs [\d.]+ GiB of weights per GPU"),
+    ({"model": dict(TINY["model"], num_params=1.0e12)}, r"model: toy needs [\d.]+ GiB of weights per GPU"),
     ({"model": "gpt-9"}, r"model: no models profile 'gpt-9' \(known: llama2-7b"),
     ({"workload__prompt_len": {"dist": "fixed", "value": 40}}, r"workload\.prompt_len: the longest request"),
     ({"sweep__rate": [1, -2]}, r"sweep\.rate\[1\]: must be a number > 0"),
-    ({"hardware": {"pcie_efficiency": 0}}, r"hardware\.pcie_efficiency: must be in \(0, 1\]"),
+    ({"hardware": dict(TINY["hardware"], pcie_efficiency=0)}, r"hardware\.pcie_efficiency: must be in \(0, 1\]"),
 ]
 
 
@@ -220,7 +221,6 @@ def test_trace_replay(tmp_path):
 
 def test_cli_simulate_and_sweep_write_json_and_plots(tmp_path):
     import yaml
-    from simutil import TINY
 
     raw = dict(TINY)
     raw["runs"] = [
@@ -239,6 +239,7 @@ def test_cli_simulate_and_sweep_write_json_and_plots(tmp_path):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
     s = sweep(cfg, tmp_path / "sweep.json", tmp_path / "plots", emit=lines.append, progress=False)
     assert len(s["rows"]) == 6 and len(s["verdicts"]) == 2
+    assert [v["best_fixed"] for v in s["verdicts"]] == [None, None]  # no fixed-mode run has smart's CPU tier
     assert (tmp_path / "plots" / "sweep.png").stat().st_size > 1000
     from tiered_kv.cli import main
 

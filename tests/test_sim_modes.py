@@ -19,6 +19,7 @@ TOY2 = {
     "num_heads": 1,
     "num_kv_heads": 1,
     "head_dim": 32,
+    "vocab_size": 0,
     "dtype": "float16",
 }
 

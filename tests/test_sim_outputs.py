@@ -1,4 +1,4 @@
-"""Per-request rows (--requests) and the Chrome trace (--trace), checked against a hand-derived event trace.
+"""Per-request rows (--requests) and the Chrome timeline (--timeline), checked against a hand-derived event trace.
 
 The scenario is test_sim.py's swap scenario (async copies): A (0) and B (1), 12-token prompts
 and 6 output tokens, both at t=0; B swaps itself out at t=1 (3 blocks, 1.0-1.75), comes back
@@ -123,7 +123,7 @@ def test_simulate_writes_rows_and_trace_for_every_run(tmp_path):
     simulate(
         cfg,
         requests_path=tmp_path / "r.jsonl",
-        trace_path=tmp_path / "t.json",
+        timeline_path=tmp_path / "t.json",
         emit=lines.append,
         progress=False,
         workers=1,

@@ -55,6 +55,19 @@ def test_points_are_predicted_compared_and_explained(tmp_path):
     assert "2/4 of the points not used in any fit" in text
 
 
+def test_the_gpu_column_names_the_gpu_each_point_runs_on(tmp_path):
+    other = dict(TINY["hardware"], name="other-gpu")
+    pts = [
+        {"id": "base", "metric": "tpot_p50_ms", "run": "one", "published": 1000.0, "source": "s"},
+        {"id": "moved", "metric": "tpot_p50_ms", "run": "one", "published": 1000.0, "source": "s",
+         "overrides": {"hardware": other}},
+    ]  # fmt: skip
+    points = run_validation(validation_files([str(tiny_file(tmp_path, pts))]))
+    assert [(p.id, p.hardware) for p in points] == [("base", "toy"), ("moved", "other-gpu")]
+    rows = table(points).splitlines()
+    assert " toy " in rows[2] and " other-gpu " in rows[3]
+
+
 @pytest.mark.parametrize(
     ("point", "message"),
     [

@@ -1,8 +1,10 @@
 """The ``tiered-kv`` command line.
 
 Each subcommand registers its own parser from the module that owns it; this
-module only assembles them and turns every failure into one line on stderr
-and exit status 2 (``--debug`` shows the traceback instead).  Registering
+module only assembles them, claims every declared output before the command
+runs (:mod:`tiered_kv.sim.outputs`: an output is never an input, and an
+unwritable one fails before any work), and turns every failure into one line
+on stderr and exit status 2 (``--debug`` shows the traceback instead).  Registering
 imports neither torch nor PyYAML, so ``tiered-kv --help`` and ``--version``
 work on a base install.
 """
@@ -17,6 +19,7 @@ from typing import Any, NoReturn
 from tiered_kv import __version__, demo
 from tiered_kv.errors import TieredKVError
 from tiered_kv.sim import simulate_cmd, sweep_cmd, validate_cmd
+from tiered_kv.sim.outputs import claim_outputs
 from tiered_kv.tools import bench_transfer_cmd, crossover_cmd, fidelity_cmd, gpu_check_cmd
 
 PROG = "tiered-kv"
@@ -87,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     where = f"{PROG} {args.command}"
     try:
+        # Every output option of every command, before the command starts (tiered_kv.sim.outputs).
+        claim_outputs(args)
         return args.func(args)
     except KeyboardInterrupt:
         if args.debug:

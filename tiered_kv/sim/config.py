@@ -20,7 +20,15 @@ from tiered_kv.sim.calibration import Calibration
 from tiered_kv.sim.compute import ComputeModel
 from tiered_kv.sim.config_schema import DEFAULT_RUNS, REGIME_SCHEMA, RUN_SCHEMA, SCHEMA
 from tiered_kv.sim.files import read_yaml
-from tiered_kv.sim.profiles import HardwareProfile, LinkProfile, ModelProfile, is_path_ref, load_hardware, load_model
+from tiered_kv.sim.profiles import (
+    HardwareProfile,
+    LinkProfile,
+    ModelProfile,
+    check_pair,
+    is_path_ref,
+    load_hardware,
+    load_model,
+)
 from tiered_kv.sim.schema import validate
 from tiered_kv.sim.shipped import shipped, shipped_names
 from tiered_kv.sim.tier_config import NO_TIERS, TierSetup, resolve_tiers
@@ -38,9 +46,12 @@ __all__ = [
     "SCHEMA",
     "RunSetup",
     "config_from_raw",
+    "derived_fields",
     "find_config",
+    "input_files",
     "load_config",
     "read_config",
+    "referenced_files",
     "resolve_paths",
     "setup",
     "validate_config",
@@ -122,10 +133,58 @@ def resolve_paths(raw: Any, base: Path) -> Any:
     return raw
 
 
+def referenced_files(raw: Any, base: Path | None) -> list[Path]:
+    """Every file a config's YAML refers to, at any depth: profile files, shipped profiles, traces.
+
+    ``base`` is the config's directory (relative references are relative to it).
+    These are the run's inputs, which no output of the run may overwrite.
+    """
+    out: list[Path] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+        if not isinstance(node, dict):
+            return
+        for key, v in node.items():
+            if isinstance(v, str) and key in ("hardware", "model", "trace"):
+                if key == "trace" or is_path_ref(v):
+                    p = Path(v).expanduser()
+                    out.append(p if p.is_absolute() or base is None else base / p)
+                else:
+                    found = shipped("hardware" if key == "hardware" else "models", v)
+                    if isinstance(found, Path):
+                        out.append(found)
+            else:
+                walk(v)
+
+    walk(raw)
+    return out
+
+
+def input_files(ref: str | Path | None) -> list[Path]:
+    """The files a run of config ``ref`` reads: the config itself and everything it refers to."""
+    src = find_config(ref)
+    raw = read_yaml(src, "config")
+    if not isinstance(src, Path):
+        return referenced_files(raw, None)
+    return [src, *referenced_files(raw, src.resolve().parent)]
+
+
 def read_config(path: str | Path | None = None) -> tuple[Any, str]:
-    """The raw YAML of a config (paths inside it resolved against its directory) and its name."""
+    """The raw YAML of a config (paths inside it resolved against its directory) and its name.
+
+    An empty file (nothing, or only comments, or ``{}``) is refused: it would
+    otherwise run every default.
+    """
     src = find_config(path)
     raw = read_yaml(src, "config")
+    if raw is None or raw == {}:  # an empty file is a mistake, never a request for the defaults
+        raise ConfigError(
+            f"config: '{src}' is empty; a config says what to simulate (see configs/quickstart-l40s.yaml), "
+            "and `tiered-kv simulate` with no config runs the main experiment"
+        )
     if isinstance(src, Path):
         raw = resolve_paths(raw, src.resolve().parent)
     return raw, src.name.rsplit(".", 1)[0]
@@ -294,11 +353,15 @@ def _models(
     c = cfg["compute"]
     sp = hw.step
     mfu = c["mfu"] if c["mfu"] is not None else sp.mfu
+    pre = c["prefill_mfu"] if c["prefill_mfu"] is not None else sp.prefill_mfu
+    front = c["frontend_s"] if c["frontend_s"] is not None else sp.frontend_s
     eff = c["hbm_efficiency"] if c["hbm_efficiency"] is not None else sp.hbm_efficiency
     geometry_pieces = 2 * model.num_layers if run["kv_layout"] == "layer_first" else 1
     if calibration is not None:
         cost = calibration.cost_model
-        compute = ComputeModel(hw, model, mfu, eff, 0.0, None, calibration.step_model)
+        compute = ComputeModel(
+            hw, model, mfu, eff, 0.0, None, calibration.step_model, 0.0, pre, front, c["scheduler_steps"]
+        )
         d2h, h2d, ovh = cost.d2h_bytes_per_s, cost.h2d_bytes_per_s, cost.per_copy_overhead_s
         link = LinkProfile(h2d, d2h, h2d + d2h, ovh)
     else:
@@ -318,7 +381,9 @@ def _models(
         link = LinkProfile(h2d, d2h, bidir, ovh)
         step_s = c["step_overhead_s"] if c["step_overhead_s"] is not None else sp.per_step_s
         per_seq = c["per_seq_s"] if c["per_seq_s"] is not None else sp.per_seq_s
-        compute = ComputeModel(hw, model, mfu, eff, step_s, c["fixed_step_s"], None, per_seq)
+        compute = ComputeModel(
+            hw, model, mfu, eff, step_s, c["fixed_step_s"], None, per_seq, pre, front, c["scheduler_steps"]
+        )
         cost = CostModel(
             kv_bytes_per_token=model.kv_bytes_per_token,
             block_size=bs,
@@ -330,6 +395,20 @@ def _models(
             prefill_quadratic_s_per_token2=compute.prefill_quadratic(),
         )
     return compute, cost, link
+
+
+def derived_fields(st: RunSetup) -> list[str]:
+    """What a run's profiles derived rather than were given (``key = value (rule)``), for the run to print.
+
+    A tier below the CPU whose medium the hardware profile does not describe is
+    priced with the manager's measured link for that medium; that is listed too.
+    """
+    media = [
+        f"hardware.tiers.{t.name} = the manager's measured {t.medium} link (the profile describes no {t.name})"
+        for t in st.tiers.tiers
+        if t.link.source == "default"
+    ]
+    return [*st.hardware.derived, *st.model.derived, *media]
 
 
 def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None = None) -> RunSetup:
@@ -347,6 +426,7 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
             f"memory.block_size: {cfg['memory']['block_size']} differs from the calibration's "
             f"block size {calibration.block_size}"
         )
+    check_pair(hw, model)
     sizes = _sizes(cfg, run, rkey, hw, model)
     n_gpu, n_cpu, block_bytes = sizes.num_gpu_blocks, sizes.num_cpu_blocks, sizes.block_bytes
     bs = cfg["memory"]["block_size"]

@@ -87,10 +87,17 @@ SCHEMA: dict[str, Any] = {
     # Overrides of the hardware profile's fitted step model (None: the profile's).
     "compute": {
         "mfu": num(None, fraction, nullable=True),
+        "prefill_mfu": num(None, fraction, nullable=True),
         "hbm_efficiency": num(None, fraction, nullable=True),
         "step_overhead_s": num(None, non_negative, nullable=True),
         "per_seq_s": num(None, non_negative, nullable=True),
         "fixed_step_s": num(None, positive, nullable=True),
+        # The serving front end's cost per request, before it reaches the scheduler (not a step's).
+        "frontend_s": num(None, non_negative, nullable=True),
+        # vLLM 0.6's --num-scheduler-steps: a decode-only batch runs this many steps per scheduling
+        # decision, and a request that arrives meanwhile waits for the next decision.  vLLM v1 has
+        # no such option: 1.
+        "scheduler_steps": integer(1, positive),
     },
     # Overrides of the hardware profile's link (None: the profile's).
     "link": {

@@ -2,8 +2,9 @@
 
 Inputs (configs, profiles, traces, calibrations) raise
 :class:`~tiered_kv.errors.ConfigError`; outputs (``--json``, ``--plots``)
-raise :class:`~tiered_kv.errors.OutputError`.  Commands check their output
-paths *before* a long run, so a typo in ``--json`` costs nothing.
+raise :class:`~tiered_kv.errors.OutputError`.  The checks here are the first
+half of claiming an output; :mod:`tiered_kv.sim.outputs` then creates it for
+real before any command runs, so a typo in ``--json`` costs nothing.
 """
 
 from __future__ import annotations

@@ -4,12 +4,13 @@ The points marked ``fit: true`` in the given validation configs are
 simulated with trial coefficients, and the coefficients that minimise the
 sum of squared log ratios (predicted / published) are kept.  What is fitted:
 
-* ``hbm_efficiency`` of each hardware profile among the points (the memory
-  roof: a property of the GPU and its kernels);
-* ``mfu``, ``per_step_s`` and ``per_seq_s``, shared by all of them (the
-  compute roof of prefill, and the serving engine's per-step and
-  per-sequence overheads: properties of the engine version, which the
-  published points share).
+* ``hbm_efficiency`` and ``prefill_mfu`` of each hardware profile among the
+  points (the memory roof, and the compute roof of prefill chunks: properties
+  of the GPU and its kernels);
+* ``mfu``, ``per_step_s``, ``per_seq_s`` and ``frontend_s``, shared by all of
+  them (the compute roof of decode rows, the serving engine's per-step and
+  per-sequence overheads and its front end's cost per request: properties of
+  the engine version, which the published points share).
 
 Sharing keeps the fit over-determined (more points than coefficients), so
 its residuals mean something.  The search is Nelder-Mead over bounded
@@ -31,9 +32,26 @@ from tiered_kv.sim.config import config_from_raw
 from tiered_kv.sim.profiles import load_hardware
 from tiered_kv.sim.validate import Point, Predictor, ValidationFile, validation_files
 
-SHARED = ("mfu", "per_step_s", "per_seq_s")
+SHARED = ("mfu", "per_step_s", "per_seq_s", "frontend_s")
+PER_GPU = ("hbm_efficiency", "prefill_mfu")
 # (low, high) bounds of each coefficient.
-BOUNDS = {"mfu": (0.2, 0.9), "hbm_efficiency": (0.4, 0.98), "per_step_s": (1e-5, 0.02), "per_seq_s": (1e-7, 1e-3)}
+BOUNDS = {
+    "mfu": (0.2, 0.9),
+    "prefill_mfu": (0.2, 0.95),
+    "hbm_efficiency": (0.4, 0.98),
+    "per_step_s": (1e-5, 0.02),
+    "per_seq_s": (1e-7, 1e-3),
+    "frontend_s": (1e-4, 0.2),
+}
+# The config key each coefficient overrides.
+KEYS = {
+    "mfu": "compute.mfu",
+    "prefill_mfu": "compute.prefill_mfu",
+    "hbm_efficiency": "compute.hbm_efficiency",
+    "per_step_s": "compute.step_overhead_s",
+    "per_seq_s": "compute.per_seq_s",
+    "frontend_s": "compute.frontend_s",
+}
 
 
 def _to_unit(v: float, lo: float, hi: float) -> float:
@@ -91,18 +109,37 @@ def nelder_mead(
     return simplex[i], values[i]
 
 
+def _fitted(p: Point) -> bool:
+    return bool(p.spec["fit"]) and p.spec["kind"] == "sim"
+
+
+def _scaled(p: Point, scale: float) -> Point:
+    """``p`` with the requests of its run scaled (a faster search; ``validate`` then checks at full size)."""
+    if scale == 1.0:
+        return p
+    spec = dict(p.spec)
+    overrides = dict(spec["overrides"] or {})
+    n = overrides.get("workload.num_requests")
+    if n is not None:
+        overrides["workload.num_requests"] = max(1, round(n * scale))
+    spec["overrides"] = overrides
+    return Point(p.file, spec)
+
+
 class Fit:
     """The fit of the step coefficients over the ``fit`` points of ``files``."""
 
-    def __init__(self, files: list[ValidationFile], emit: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, files: list[ValidationFile], emit: Callable[[str], None] = print, requests_scale: float = 1.0
+    ) -> None:
         self.files = [
-            ValidationFile(vf.name, vf.raw, [p for p in vf.points if p.spec["fit"] and p.spec["kind"] == "sim"])
+            ValidationFile(vf.name, vf.raw, [_scaled(p, requests_scale) for p in vf.points if _fitted(p)])
             for vf in files
         ]
         self.files = [vf for vf in self.files if vf.points]
         self.hardware = {vf.name: config_from_raw(vf.raw, vf.name)["hardware"] for vf in self.files}
         self.gpus = sorted(set(self.hardware.values()))
-        self.names = [*SHARED, *(f"hbm_efficiency[{g}]" for g in self.gpus)]
+        self.names = [*SHARED, *(f"{k}[{g}]" for k in PER_GPU for g in self.gpus)]
         self.emit = emit
         self.trials = 0
 
@@ -119,20 +156,15 @@ class Fit:
         hw = {g: load_hardware(g) for g in self.gpus}
         first = hw[self.gpus[0]].step
         x = [_to_unit(given.get(k, getattr(first, k)), *BOUNDS[k]) for k in SHARED]
-        x += [
-            _to_unit(given.get(f"hbm_efficiency[{g}]", hw[g].step.hbm_efficiency), *BOUNDS["hbm_efficiency"])
-            for g in self.gpus
-        ]
+        x += [_to_unit(given.get(f"{k}[{g}]", getattr(hw[g].step, k)), *BOUNDS[k]) for k in PER_GPU for g in self.gpus]
         return x
 
     def points(self, coef: dict[str, float]) -> list[Point]:
         def extra(vf: ValidationFile) -> dict[str, Any]:
-            return {
-                "compute.mfu": coef["mfu"],
-                "compute.step_overhead_s": coef["per_step_s"],
-                "compute.per_seq_s": coef["per_seq_s"],
-                "compute.hbm_efficiency": coef[f"hbm_efficiency[{self.hardware[vf.name]}]"],
-            }
+            g = self.hardware[vf.name]
+            out = {KEYS[k]: coef[k] for k in SHARED}
+            out.update({KEYS[k]: coef[f"{k}[{g}]"] for k in PER_GPU})
+            return out
 
         pred = Predictor(extra)
         out = []
@@ -163,9 +195,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("configs", nargs="+", help="validation configs whose `fit: true` points are fitted")
     ap.add_argument("--iters", type=int, default=40, help="Nelder-Mead iterations (default 40)")
     ap.add_argument("--start", nargs="*", default=[], metavar="NAME=VALUE", help="starting coefficients")
+    ap.add_argument(
+        "--requests-scale",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="scale the points' workload.num_requests during the search (default 1; the residuals printed "
+        "at the end are at this scale too, so check the result with `tiered-kv validate`)",
+    )
     args = ap.parse_args(argv)
     given = {k: float(v) for k, v in (item.split("=", 1) for item in args.start)}
-    fit = Fit(validation_files(args.configs), emit=lambda s: print(s, file=sys.stderr, flush=True))
+    if not args.requests_scale > 0:
+        ap.error(f"--requests-scale: must be > 0, got {args.requests_scale}")
+    fit = Fit(
+        validation_files(args.configs),
+        emit=lambda s: print(s, file=sys.stderr, flush=True),
+        requests_scale=args.requests_scale,
+    )
     coef, points = fit.run(args.iters, given)
     print("coefficients:")
     for k, v in coef.items():

@@ -16,9 +16,30 @@ shipped YAML:
 * optionally, the media below the CPU tier (``tiers:``, see
   :mod:`~tiered_kv.sim.tier_profiles`): each one's bandwidth and per-block latency.
 
-Older profiles that give only ``pcie_gbps_per_direction`` x ``pcie_efficiency``
-and ``per_copy_overhead_s`` still load: their link is full duplex at that
-rate, with no cap on the sum.
+No physical number has a default: a profile that leaves one out would
+otherwise simulate some other machine or model (``name: L4`` alone used to get
+an 80 GiB GPU).  Every such field is required, or derived from fields that are
+given by one of these rules, which the profile records in ``derived`` so that
+a run prints them:
+
+* ``link.d2h_gbps``: the host-to-device bandwidth (a symmetric link);
+* ``link.bidir_gbps``: ``h2d + d2h`` (a full-duplex link with no shared cap);
+* the host-to-device bandwidth may instead be given in the older form
+  ``pcie_gbps_per_direction`` x ``pcie_efficiency`` (both keys), and the cost
+  of one copy as ``per_copy_overhead_s`` instead of ``link.per_copy_us``;
+  giving both forms of one number is refused;
+* ``allreduce:`` is needed only by a model that runs tensor-parallel;
+* ``model.head_dim``: ``hidden_size / num_heads`` (the Hugging Face default for
+  Llama-style models; refused when it does not divide);
+* ``model.weight_dtype``: the KV ``dtype``;
+* ``model.tensor_parallel``: 1 (one GPU);
+* ``model.tie_word_embeddings`` is needed only with a ``vocab_size`` > 0 (0
+  counts the embedding table and LM head inside ``num_params``).
+
+Impossible combinations are refused with the key's path: KV heads that do not
+divide the query heads, a tensor-parallel degree that splits neither, fewer
+parameters than the attention projections and embeddings alone, a link whose
+two directions together move more than each at its own peak.
 """
 
 from __future__ import annotations
@@ -31,20 +52,20 @@ from typing import Any
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.files import read_yaml
-from tiered_kv.sim.schema import Field, fraction, integer, non_negative, num, positive, validate
+from tiered_kv.sim.schema import REQUIRED, Field, fraction, integer, non_negative, num, positive, validate
 from tiered_kv.sim.shipped import shipped, shipped_names
 from tiered_kv.sim.tier_profiles import TIERS_SCHEMA, TierMedium, tier_media
 from tiered_kv.storage.spec import DTYPE_BYTES
 
 HARDWARE_SCHEMA = {
-    "name": Field((str,), "custom"),
-    "memory_gib": num(80.0, positive),
-    "peak_bf16_flops": num(1e15, positive),
-    "hbm_bytes_per_s": num(3e12, positive),
-    # Legacy link description (used when ``link`` gives no bandwidth).
-    "pcie_gbps_per_direction": num(64.0, non_negative, allow_inf=True),
-    "pcie_efficiency": num(0.78, lambda v: None if 0 < v <= 1 else f"must be in (0, 1], got {v}"),
-    "per_copy_overhead_s": num(10e-6, non_negative),
+    "name": Field((str,)),
+    "memory_gib": num(REQUIRED, positive),
+    "peak_bf16_flops": num(REQUIRED, positive),
+    "hbm_bytes_per_s": num(REQUIRED, positive),
+    # The older link description: one-way bandwidth x efficiency, and the cost of one copy.
+    "pcie_gbps_per_direction": num(None, non_negative, nullable=True, allow_inf=True),
+    "pcie_efficiency": num(None, fraction, nullable=True),
+    "per_copy_overhead_s": num(None, non_negative, nullable=True),
     "link": {
         "h2d_gbps": num(None, non_negative, nullable=True, allow_inf=True),
         "d2h_gbps": num(None, non_negative, nullable=True, allow_inf=True),
@@ -52,33 +73,36 @@ HARDWARE_SCHEMA = {
         "per_copy_us": num(None, non_negative, nullable=True),
     },
     "step_model": {
-        "mfu": num(0.5, fraction),
-        "hbm_efficiency": num(0.8, fraction),
-        "per_step_s": num(5e-4, non_negative),
-        "per_seq_s": num(0.0, non_negative),
+        "mfu": num(REQUIRED, fraction),
+        "prefill_mfu": num(REQUIRED, fraction),
+        "hbm_efficiency": num(REQUIRED, fraction),
+        "per_step_s": num(REQUIRED, non_negative),
+        "per_seq_s": num(REQUIRED, non_negative),
+        "frontend_s": num(REQUIRED, non_negative),
     },
+    # Needed only when a model runs tensor-parallel (checked with the model: check_pair).
     "allreduce": {
-        "latency_us": num(10.0, non_negative),
-        "small_gbps": num(30.0, positive),
-        "small_max_bytes": integer(1 << 20, positive),
-        "busbw_gbps": num(370.0, positive),
+        "latency_us": num(None, non_negative, nullable=True),
+        "small_gbps": num(None, positive, nullable=True),
+        "small_max_bytes": Field((int,), None, None, (positive,), nullable=True),
+        "busbw_gbps": num(None, positive, nullable=True),
     },
     # Media below the CPU tier (tier_profiles.py); a medium left out gets the manager's measured defaults.
     "tiers": TIERS_SCHEMA,
 }
 MODEL_SCHEMA = {
-    "name": Field((str,), "custom"),
-    "num_params": num(8e9, positive),
-    "num_layers": integer(32, positive),
-    "hidden_size": integer(4096, positive),
-    "num_heads": integer(32, positive),
-    "num_kv_heads": integer(8, positive),
-    "head_dim": integer(128, positive),
-    "vocab_size": integer(0, non_negative),
-    "tie_word_embeddings": Field((bool,), False),
-    "dtype": Field((str,), "bfloat16", tuple(DTYPE_BYTES)),
+    "name": Field((str,)),
+    "num_params": num(REQUIRED, positive),
+    "num_layers": integer(REQUIRED, positive),
+    "hidden_size": integer(REQUIRED, positive),
+    "num_heads": integer(REQUIRED, positive),
+    "num_kv_heads": integer(REQUIRED, positive),
+    "head_dim": Field((int,), None, None, (positive,), nullable=True),
+    "vocab_size": integer(REQUIRED, non_negative),
+    "tie_word_embeddings": Field((bool,), None, nullable=True),
+    "dtype": Field((str,), REQUIRED, tuple(DTYPE_BYTES)),
     "weight_dtype": Field((str,), None, tuple(DTYPE_BYTES), nullable=True),
-    "tensor_parallel": integer(1, positive),
+    "tensor_parallel": Field((int,), None, None, (positive,), nullable=True),
 }
 
 GB = 1e9
@@ -115,12 +139,26 @@ class LinkProfile:
 
 @dataclass(frozen=True, slots=True)
 class StepProfile:
-    """Step-time coefficients of one GPU (see :mod:`tiered_kv.sim.compute`)."""
+    """Step-time coefficients of one GPU (see :mod:`tiered_kv.sim.compute`).
+
+    Attributes:
+        mfu: Fraction of peak BF16 FLOPs that decode rows and the LM head reach.
+        prefill_mfu: Fraction of peak that prefill chunks reach (tall GEMMs, FlashAttention).
+        hbm_efficiency: Fraction of datasheet HBM bandwidth that weight and KV reads reach.
+        per_step_s: The serving engine's fixed cost of one step.
+        per_seq_s: Its cost per request in a step.
+        frontend_s: The serving front end's cost per request (HTTP handling,
+            tokenization, hand-off to the engine, detokenization and streaming of the
+            first token), outside every step: a request reaches the scheduler this long
+            after it was sent, so TTFT and E2E include it once and no step pays it.
+    """
 
     mfu: float
+    prefill_mfu: float
     hbm_efficiency: float
     per_step_s: float
     per_seq_s: float
+    frontend_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +193,9 @@ class HardwareProfile:
     hbm_bytes_per_s: float
     link: LinkProfile
     step: StepProfile
-    allreduce: AllReduceProfile
+    allreduce: AllReduceProfile | None  # None: the profile gives none (a model on one GPU needs none)
     tiers: Mapping[str, TierMedium] = field(default_factory=dict)  # tier name -> its medium (tier_profiles)
+    derived: tuple[str, ...] = ()  # "key = value (rule)" for every number derived rather than given
 
     @property
     def pcie_bytes_per_s(self) -> float:
@@ -194,6 +233,7 @@ class ModelProfile:
     vocab_size: int = 0
     tie_word_embeddings: bool = False
     weight_dtype: str | None = None
+    derived: tuple[str, ...] = ()  # "key = value (rule)" for every field derived rather than given
 
     @property
     def dtype_bytes(self) -> int:
@@ -273,32 +313,140 @@ def _load(ref: Any, kind: str, schema: dict, key: str) -> dict[str, Any]:
     return validate(read_yaml(found, key), schema, key)
 
 
-def _link(d: dict[str, Any]) -> LinkProfile:
+def _one_form(d: dict[str, Any], key: str, new: str, old: tuple[str, ...], what: str) -> str:
+    """Which form gives ``what``: ``"new"`` (``link.X``) or ``"old"`` (the older top-level keys).
+
+    Both forms, neither, or half of the older one is refused: one number has one source.
+    """
+    given_new = d["link"][new] is not None
+    given_old = [k for k in old if d[k] is not None]
+    if given_new and given_old:
+        raise ConfigError(
+            f"{key}.{given_old[0]}: {what} is given twice, as {key}.link.{new} and as {key}.{given_old[0]}; keep one"
+        )
+    if given_new:
+        return "new"
+    if len(given_old) == len(old):
+        return "old"
+    if given_old:
+        lack = next(k for k in old if d[k] is None)
+        raise ConfigError(f"{key}.{lack}: required key is missing (it goes with {key}.{given_old[0]})")
+    raise ConfigError(f"{key}.link.{new}: required key is missing ({what}; or give {' and '.join(old)})")
+
+
+def _link(d: dict[str, Any], key: str, derived: list[str]) -> LinkProfile:
+    """The host link from either form, with the derivation rules of the module docstring."""
     link = d["link"]
-    legacy = d["pcie_gbps_per_direction"] * GB * d["pcie_efficiency"]
-    h2d = link["h2d_gbps"] * GB if link["h2d_gbps"] is not None else legacy
-    d2h = link["d2h_gbps"] * GB if link["d2h_gbps"] is not None else h2d
-    bidir = link["bidir_gbps"] * GB if link["bidir_gbps"] is not None else h2d + d2h
-    per_copy = link["per_copy_us"] * 1e-6 if link["per_copy_us"] is not None else d["per_copy_overhead_s"]
+    if _one_form(d, key, "h2d_gbps", ("pcie_gbps_per_direction", "pcie_efficiency"), "the H2D bandwidth") == "new":
+        h2d = link["h2d_gbps"] * GB
+    else:
+        h2d = d["pcie_gbps_per_direction"] * GB * d["pcie_efficiency"]
+    if _one_form(d, key, "per_copy_us", ("per_copy_overhead_s",), "the cost of one copy") == "new":
+        per_copy = link["per_copy_us"] * 1e-6
+    else:
+        per_copy = d["per_copy_overhead_s"]
+    if link["d2h_gbps"] is not None:
+        d2h = link["d2h_gbps"] * GB
+    else:
+        d2h = h2d
+        derived.append(f"{key}.link.d2h_gbps = {d2h / GB:g} (the H2D bandwidth: a symmetric link)")
+    if link["bidir_gbps"] is not None:
+        bidir = link["bidir_gbps"] * GB
+        if bidir > h2d + d2h:
+            raise ConfigError(
+                f"{key}.link.bidir_gbps: {bidir / GB:g} GB/s both ways exceeds H2D + D2H ({(h2d + d2h) / GB:g} GB/s); "
+                "two directions together cannot move more than each at its own peak"
+            )
+    else:
+        bidir = h2d + d2h
+        derived.append(f"{key}.link.bidir_gbps = {bidir / GB:g} (H2D + D2H: full duplex, no shared cap)")
     return LinkProfile(h2d, d2h, bidir, per_copy)
 
 
+def _allreduce(a: dict[str, Any], key: str) -> AllReduceProfile | None:
+    given = [k for k, v in a.items() if v is not None]
+    if not given:
+        return None
+    lack = [k for k, v in a.items() if v is None]
+    if lack:
+        raise ConfigError(
+            f"{key}.allreduce.{lack[0]}: required key is missing (it goes with {key}.allreduce.{given[0]})"
+        )
+    return AllReduceProfile(a["latency_us"] * 1e-6, a["small_gbps"] * GB, a["small_max_bytes"], a["busbw_gbps"] * GB)
+
+
 def load_hardware(ref: Any, key: str = "hardware") -> HardwareProfile:
+    """A hardware profile; every physical number given or derived (module docstring), else ConfigError naming it."""
     d = _load(ref, "hardware", HARDWARE_SCHEMA, key)
-    s, a = d["step_model"], d["allreduce"]
+    s = d["step_model"]
+    derived: list[str] = []
+    link = _link(d, key, derived)
     return HardwareProfile(
         name=d["name"],
         memory_gib=d["memory_gib"],
         peak_bf16_flops=d["peak_bf16_flops"],
         hbm_bytes_per_s=d["hbm_bytes_per_s"],
-        link=_link(d),
-        step=StepProfile(s["mfu"], s["hbm_efficiency"], s["per_step_s"], s["per_seq_s"]),
-        allreduce=AllReduceProfile(
-            a["latency_us"] * 1e-6, a["small_gbps"] * GB, a["small_max_bytes"], a["busbw_gbps"] * GB
+        link=link,
+        step=StepProfile(
+            s["mfu"], s["prefill_mfu"], s["hbm_efficiency"], s["per_step_s"], s["per_seq_s"], s["frontend_s"]
         ),
+        allreduce=_allreduce(d["allreduce"], key),
         tiers=tier_media(d["tiers"], f"{key}.tiers"),
+        derived=tuple(derived),
     )
 
 
 def load_model(ref: Any, key: str = "model") -> ModelProfile:
-    return ModelProfile(**_load(ref, "models", MODEL_SCHEMA, key))
+    """A model profile; every shape given or derived (module docstring), impossible shapes refused with the key."""
+    d = _load(ref, "models", MODEL_SCHEMA, key)
+    derived: list[str] = []
+    heads, kv, tp = d["num_heads"], d["num_kv_heads"], d["tensor_parallel"]
+    if heads % kv:
+        raise ConfigError(
+            f"{key}.num_kv_heads: {kv} does not divide {key}.num_heads ({heads}); "
+            "each KV head serves a whole group of query heads"
+        )
+    if d["head_dim"] is None:
+        if d["hidden_size"] % heads:
+            raise ConfigError(
+                f"{key}.head_dim: required key is missing (it cannot be derived: {key}.hidden_size "
+                f"{d['hidden_size']} is not a multiple of {key}.num_heads {heads})"
+            )
+        d["head_dim"] = d["hidden_size"] // heads
+        derived.append(f"{key}.head_dim = {d['head_dim']} (hidden_size / num_heads)")
+    if d["weight_dtype"] is None:
+        derived.append(f"{key}.weight_dtype = {d['dtype']} (the KV dtype)")
+    if tp is None:
+        tp = d["tensor_parallel"] = 1
+        derived.append(f"{key}.tensor_parallel = 1 (one GPU)")
+    if heads % tp:
+        raise ConfigError(f"{key}.tensor_parallel: {tp} does not divide {key}.num_heads ({heads})")
+    if kv % tp and tp % kv:
+        raise ConfigError(
+            f"{key}.tensor_parallel: {tp} GPUs can neither split {key}.num_kv_heads ({kv}) evenly nor replicate them"
+        )
+    if d["tie_word_embeddings"] is None:
+        if d["vocab_size"] > 0:
+            raise ConfigError(
+                f"{key}.tie_word_embeddings: required key is missing (with vocab_size {d['vocab_size']}: "
+                "true if the LM head is the embedding table)"
+            )
+        d["tie_word_embeddings"] = False
+    tables = d["vocab_size"] * d["hidden_size"] * (1 if d["tie_word_embeddings"] else 2)
+    attention = d["num_layers"] * d["hidden_size"] * 2 * (heads + kv) * d["head_dim"]
+    if d["num_params"] < tables + attention:
+        raise ConfigError(
+            f"{key}.num_params: {d['num_params']:.4g} is fewer than the embedding tables ({tables:.4g}) and the "
+            f"attention projections of {d['num_layers']} layers ({attention:.4g}) alone"
+        )
+    return ModelProfile(**d, derived=tuple(derived))
+
+
+def check_pair(hw: HardwareProfile, model: ModelProfile, hw_key: str = "hardware", model_key: str = "model") -> None:
+    """Refuse what neither profile is wrong about alone: a tensor-parallel model on hardware with no all-reduce cost."""
+    if model.tensor_parallel > 1 and hw.allreduce is None:
+        raise ConfigError(
+            f"{hw_key}.allreduce: required key is missing ({model_key} {model.name} runs on "
+            f"{model.tensor_parallel} GPUs, so each step pays all-reduces; give latency_us, small_gbps, "
+            "small_max_bytes and busbw_gbps)"
+        )

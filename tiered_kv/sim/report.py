@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +14,40 @@ from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.files import make_dir, write_text
 
 
-def demand_ratio(cfg: dict[str, Any], setup: RunSetup, workload: Sequence[Any]) -> float:
-    """KV needed to run ``max_num_seqs`` average requests to completion, over the GPU KV pool."""
-    mean_tokens = sum(len(r.prompt) + len(r.output) for r in workload) / max(len(workload), 1)
-    need = setup.max_num_seqs * mean_tokens * setup.model.kv_bytes_per_token
-    return need / (setup.num_gpu_blocks * setup.block_size * setup.model.kv_bytes_per_token)
+@dataclass(frozen=True, slots=True)
+class KVDemand:
+    """The most KV a workload can hold on the GPU at once, against the GPU pool.
+
+    At most ``max_num_seqs`` requests run at once, and never more than the
+    workload has: the figure is the KV of the ``requests`` largest requests at
+    full length (prompt and output, less the last sampled token, which is never
+    computed), in whole blocks and without prefix sharing, over the pool's
+    usable blocks (block 0 is the null block).  Above 1, the workload can
+    oversubscribe the pool; below 1, it never fills it, whatever its timing.
+    """
+
+    requests: int
+    blocks: int
+    pool_blocks: int
+
+    @property
+    def ratio(self) -> float:
+        return self.blocks / self.pool_blocks
+
+    def describe(self, max_num_seqs: int) -> str:
+        """The figure with what it is: which requests, and why no more of them."""
+        why = f"no more than {max_num_seqs} run at once" if self.requests == max_num_seqs else "every request"
+        return (
+            f"KV demand: the {self.requests} largest requests at full length ({why}) = {self.ratio:.2f}x the GPU pool"
+        )
+
+
+def kv_demand(setup: RunSetup, workload: Sequence[Any]) -> KVDemand:
+    """:class:`KVDemand` of ``workload`` under ``setup``'s GPU pool and ``max_num_seqs``."""
+    bs = setup.block_size
+    sizes = sorted((-(-(len(r.prompt) + len(r.output) - 1) // bs) for r in workload), reverse=True)
+    k = min(setup.max_num_seqs, len(sizes))
+    return KVDemand(k, sum(sizes[:k]), max(setup.num_gpu_blocks - 1, 1))
 
 
 def regime_verdict(runs: list[dict[str, Any]], offered_rps: float) -> dict[str, Any]:
@@ -124,9 +154,10 @@ def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
         t = [u[0] for u in r["usage"]]
         for ax, col in zip(axes, (1, 2, 3), strict=True):
             ax.plot(t, [u[col] for u in r["usage"]], label=r["run"], lw=1)
+    # The simulator's usage samples: [time, GPU usage, CPU blocks held, CPU tier fill], each a fraction.
     axes[0].set_ylabel("GPU KV usage")
-    axes[1].set_ylabel("CPU KV held\n(swapped, in flight)")
-    axes[2].set_ylabel("CPU prefix cache\nfill")
+    axes[1].set_ylabel("CPU KV held\n(swapped, loading,\nbeing written)")
+    axes[2].set_ylabel("CPU tier fill\n(every cached block)")
     axes[2].set_xlabel("simulated time (s)")
     axes[0].legend(fontsize=8)
     paths.append(_save(fig, outdir / "usage_over_time.png", f"{title}: KV usage over time"))

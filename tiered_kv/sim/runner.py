@@ -21,12 +21,12 @@ from typing import Any
 from tiered_kv.obs.recorder import MetricsRecorder, Reading
 from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import Calibration, load_calibration
-from tiered_kv.sim.config import config_from_raw, read_config, setup
+from tiered_kv.sim.config import config_from_raw, derived_fields, read_config, setup
 from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.files import write_text
 from tiered_kv.sim.progress import Progress
 from tiered_kv.sim.records import jsonl
-from tiered_kv.sim.report import demand_ratio, plot, regime_verdict, table, write_json
+from tiered_kv.sim.report import kv_demand, plot, regime_verdict, table, write_json
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.sweep import sweep
 from tiered_kv.sim.tier_report import has_tiers, tier_table
@@ -149,7 +149,7 @@ def _plan(
     regimes: list[tuple],
     cal: Calibration | None,
     requests_path: Path | None,
-    trace_path: Path | None,
+    timeline_path: Path | None,
     metrics_path: Path | None,
 ) -> tuple[list[Task], list[int], list[tuple], dict[str | None, list[SimRequest]]]:
     """One task per run and regime, each regime's workload built once; and what the header line needs."""
@@ -161,11 +161,11 @@ def _plan(
         setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
         workload = workloads[name] = build_workload(cfg, setups)  # sized and checked once per regime
         first = setups[0]
-        ratio = demand_ratio(cfg, first, workload)
+        ratio = kv_demand(first, workload)
         where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
         heads.append((name, rate, where, first, ratio, len(workload)))
         for i in range(len(setups)):
-            keep = (requests_path is not None, trace_path is not None)
+            keep = (requests_path is not None, timeline_path is not None)
             tasks.append(Task(cfg, name, i, cal, *keep, len(tasks) + 1, metrics_path is not None))
             sizes.append(len(workload))
     return tasks, sizes, heads, workloads
@@ -198,7 +198,7 @@ def _write_outputs(
     emit: Callable[[str], None],
     json_path: Path | None,
     requests_path: Path | None,
-    trace_path: Path | None,
+    timeline_path: Path | None,
     metrics_path: Path | None,
     plots_dir: Path | None,
 ) -> None:
@@ -211,9 +211,9 @@ def _write_outputs(
     if requests_path is not None:
         write_text(requests_path, "".join(o["requests"] for o in outs), "--requests")
         emit(f"wrote {requests_path}")
-    if trace_path is not None:
-        write_trace(trace_path, [e for o in outs for e in o["timeline"]])  # each run is a process of its own
-        emit(f"wrote {trace_path}")
+    if timeline_path is not None:
+        write_timeline(timeline_path, [e for o in outs for e in o["timeline"]])  # each run is a process of its own
+        emit(f"wrote {timeline_path}")
     if metrics_path is not None:
         write_metrics(metrics_path, [o["metrics"] for o in outs])
         emit(f"wrote {metrics_path}")
@@ -231,7 +231,7 @@ def simulate(
     progress: bool = True,
     calibration: Path | None = None,
     requests_path: Path | None = None,
-    trace_path: Path | None = None,
+    timeline_path: Path | None = None,
     workers: int = 1,
     metrics_path: Path | None = None,
 ) -> dict[str, Any]:
@@ -243,7 +243,7 @@ def simulate(
     model profiles.  The workload's memory and time are estimated first, and a
     config that could not finish on this machine is refused before anything
     runs.  ``requests_path`` gets one JSONL row per request and run;
-    ``trace_path`` a Chrome/Perfetto trace of every step and copy;
+    ``timeline_path`` a timeline (Chrome/Perfetto JSON) of every step and copy;
     ``metrics_path`` the Prometheus text exposition of every run (labels
     ``run`` and ``regime``; ``docs/metrics.md``).
     """
@@ -254,14 +254,20 @@ def simulate(
         import_extra("matplotlib", "--plots")  # before the run, not after it
     if metrics_path is not None:
         import_extra("prometheus_client", "--metrics")
-    tasks, sizes, heads, workloads = _plan(regimes, cal, requests_path, trace_path, metrics_path)
+    tasks, sizes, heads, workloads = _plan(regimes, cal, requests_path, timeline_path, metrics_path)
     cfg0 = regimes[0][3]
-    _, _, where, first, ratio0, _ = heads[0]
+    _, _, where, first, demand0, _ = heads[0]
     emit(
         f"{cfg0['name']}: {first.model.name} on {where}, GPU KV {first.gpu_kv_gib:.4g} GiB "
         f"({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to {first.max_num_seqs} running requests "
-        f"and {first.max_num_batched_tokens} tokens a step; their KV demand = {ratio0:.2f}x the GPU pool"
+        f"and {first.max_num_batched_tokens} tokens a step; {demand0.describe(first.max_num_seqs)}"
     )
+    cfg_first = regimes[0][3]
+    derived = list(
+        dict.fromkeys(d for i in range(len(cfg_first["runs"])) for d in derived_fields(setup(cfg_first, i, cal)))
+    )
+    if derived:
+        emit(f"derived, not given in the profiles: {'; '.join(derived)}")
     with Progress("simulate", sum(sizes), "requests", enabled=progress) as prog:
         say = prog.wrap(emit)
         if workers > 1 and len(tasks) > 1:
@@ -274,12 +280,13 @@ def simulate(
         "name": cfg0["name"],
         "hardware": where,
         "model": first.model.name,
-        "kv_demand_ratio": ratio0,
+        "kv_demand_ratio": demand0.ratio,  # report.KVDemand: the largest requests that can run at once
+        "kv_demand_requests": demand0.requests,
         "config": cfg0,
         "regimes": summaries,
         "runs": results,
     }
-    _write_outputs(doc, outs, emit, json_path, requests_path, trace_path, metrics_path, plots_dir)
+    _write_outputs(doc, outs, emit, json_path, requests_path, timeline_path, metrics_path, plots_dir)
     return doc
 
 
@@ -290,6 +297,6 @@ def write_metrics(path: Path, readings: list[tuple[dict[str, str], Reading]]) ->
     write_text(path, exposition(readings), "--metrics")
 
 
-def write_trace(path: Path, events: list[dict[str, Any]]) -> None:
+def write_timeline(path: Path, events: list[dict[str, Any]]) -> None:
     """Write Chrome trace events as a JSON object file (``chrome://tracing``, Perfetto)."""
-    write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), "--trace")
+    write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}), "--timeline")

@@ -3,7 +3,9 @@
 A schema maps keys to :class:`Field` (a leaf) or to a nested schema (a mapping).
 ``validate`` returns a new dict with defaults filled in, or raises
 :class:`~tiered_kv.errors.ConfigError` with messages such as
-``workload.arrival.rate: must be > 0, got -1``.
+``workload.arrival.rate: must be > 0, got -1``.  A key without a default is
+required; the keys that were given are checked first, then every missing one
+is named in one message.
 
 Numbers are finite unless a field says otherwise: a NaN compares false with
 everything, so one NaN arrival rate or step time would stall the simulated
@@ -98,7 +100,20 @@ def _is_type(v: Any, types: tuple[type, ...]) -> bool:
 
 
 def validate(data: Any, schema: Mapping[str, Any], path: str = "") -> dict[str, Any]:
-    """Check ``data`` against ``schema``; return it with defaults filled in."""
+    """Check ``data`` against ``schema``; return it with defaults filled in.
+
+    Every given key is checked first (its type, range and choices); then the
+    required keys that are missing, at any depth, are named in one message.
+    """
+    missing: list[str] = []
+    out = _validate(data, schema, path, missing)
+    if missing:
+        also = f" (also missing: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise ConfigError(f"{missing[0]}: required key is missing{also}")
+    return out
+
+
+def _validate(data: Any, schema: Mapping[str, Any], path: str, missing: list[str]) -> dict[str, Any]:
     where = path or "config"
     if data is None:
         data = {}
@@ -112,11 +127,12 @@ def validate(data: Any, schema: Mapping[str, Any], path: str = "") -> dict[str, 
     for key, spec in schema.items():
         full = f"{path}.{key}" if path else key
         if isinstance(spec, Mapping):
-            out[key] = validate(data.get(key), spec, full)
+            out[key] = _validate(data.get(key), spec, full, missing)
             continue
         if key not in data or (data[key] is None and spec.nullable):
             if key not in data and spec.default is REQUIRED:
-                raise ConfigError(f"{full}: required key is missing")
+                missing.append(full)  # reported after the keys that were given: a wrong value is the likelier typo
+                continue
             out[key] = None if key in data else spec.default
             continue
         v = data[key]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.sim.argtypes import positive_int
+from tiered_kv.sim.outputs import add_output, set_inputs
 
 NAME = "simulate"
 SUMMARY = "simulate every run of a config on one workload"
@@ -21,7 +22,9 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         help=SUMMARY,
         description=(
             "Simulate every entry of a config's `runs:` on one workload with the real tier manager "
-            "and scheduler, then print a comparison table.  Needs the sim extra."
+            "and scheduler, then print a comparison table.  No output may be an input of the run (the config, "
+            "its profiles, the workload trace, the calibration), and every output is created before the first "
+            "step.  Needs the sim extra."
         ),
     )
     p.add_argument(
@@ -31,34 +34,36 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         help="a YAML config file, or the name of a shipped config such as fidelity-tiny "
         "(default: oversubscribed-llama3-8b-h200, the main experiment)",
     )
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the results document (JSON) to this file")
-    p.add_argument("--plots", type=Path, metavar="DIR", help="write PNG plots into this directory")
+    add_output(p, "--json", metavar="PATH", help="write the results document (JSON) to this file")
+    add_output(p, "--plots", "dir", metavar="DIR", help="write PNG plots into this directory")
     p.add_argument(
         "--calibration",
         type=Path,
         metavar="PATH",
         help="simulate with the cost model measured by `tiered-kv crossover` (a calibration JSON file)",
     )
-    p.add_argument(
+    add_output(
+        p,
         "--metrics",
-        type=Path,
         metavar="PATH",
         help="write every run's metrics as a Prometheus text exposition (label run=NAME) to this file; "
         "needs the metrics extra",
     )
-    p.add_argument(
+    add_output(
+        p,
         "--requests",
-        type=Path,
         metavar="PATH",
         help="write one JSONL row per request and run (arrival, first token, finish, preemptions, swap bytes, "
         "recomputed tokens); rows join back to a replayed trace by id",
     )
-    p.add_argument(
-        "--trace",
-        type=Path,
+    add_output(
+        p,
+        "--timeline",
         metavar="PATH",
-        help="write a Chrome/Perfetto trace: compute steps and each copy on its own track, both directions",
+        help="write a timeline of the runs (Chrome/Perfetto JSON): compute steps and each copy on its own track, "
+        "both directions",
     )
+    p.add_argument("--trace", action=_Renamed, nargs="?", help=argparse.SUPPRESS)
     p.add_argument(
         "--workers",
         type=positive_int,
@@ -68,27 +73,35 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
     )
     p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
     p.set_defaults(func=run)
+    set_inputs(p, inputs)
     return p
 
 
-def run(args: argparse.Namespace) -> int:
+class _Renamed(argparse.Action):
+    """``--trace`` was the timeline's old name; a workload trace is an input, so the flag now says what it writes."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        parser.error("--trace is now --timeline (it writes a timeline of the run; the workload trace is an input)")
+
+
+def inputs(args: argparse.Namespace) -> list[Path]:
+    """What a run reads: the config, its profiles and trace, and the calibration."""
+    from tiered_kv.sim.config import input_files
     from tiered_kv.sim.extras import import_extra
-    from tiered_kv.sim.files import check_output_dir, check_output_file
+
+    import_extra("yaml", "this command")
+    return [*input_files(args.config), *([args.calibration] if args.calibration is not None else [])]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate; the outputs were already checked against the inputs and created (``outputs.claim_outputs``)."""
+    from tiered_kv.sim.extras import import_extra
 
     import_extra("yaml", "this command")
     if args.metrics is not None:
         import_extra("prometheus_client", "--metrics")
-    for flag, path in (
-        ("--json", args.json),
-        ("--requests", args.requests),
-        ("--trace", args.trace),
-        ("--metrics", args.metrics),
-    ):
-        if path is not None:
-            check_output_file(path, flag)
     if args.plots is not None:
         import_extra("matplotlib", "--plots")
-        check_output_dir(args.plots, "--plots")
     from tiered_kv.sim.runner import simulate
 
     simulate(
@@ -99,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         calibration=args.calibration,
         requests_path=args.requests,
         metrics_path=args.metrics,
-        trace_path=args.trace,
+        timeline_path=args.timeline,
         workers=args.workers,
     )
     return 0

@@ -102,7 +102,7 @@ class Simulator:
         progress: Called now and then with (finished, total, simulated seconds).
         usage_points: About how many memory-usage samples the results keep.
         keep_timeline: Keep every step and copy (:attr:`steps`, ``engine.jobs``),
-            for ``--trace``.
+            for ``--timeline``.
         fast_path: Let the scheduler skip the manager calls that would change
             nothing (``SchedulerConfig.skip_quiet_allocations``).  Decisions and
             results are the same either way; ``False`` runs the plain path that
@@ -179,8 +179,16 @@ class Simulator:
         layerwise = link.mode == "layerwise"
         tracing = loop.trace is not None
         steps = self.steps
+        # The serving front end (HTTP, tokenization, hand-off) delays a request's entry into the
+        # scheduler; its record keeps the time it was sent, so TTFT and E2E include the front end.
+        front = compute.frontend_s
         for r in self.workload:
-            loop.schedule(r.arrival, "arrival", r)
+            loop.schedule(r.arrival + front, "arrival", r)
+        # Multi-step scheduling (vLLM 0.6's --num-scheduler-steps): a decode-only batch runs
+        # msteps steps per decision, and requests arriving meanwhile wait for the next decision.
+        msteps = compute.scheduler_steps
+        ms_left = 0
+        held: list[SimRequest] = []
         total = len(self.workload)
         size = max((r.rid for r in self.workload), default=-1) + 1
         # Hot-loop copies indexed by request id (ids are 0..n-1): a list index is cheaper than a dict lookup.
@@ -218,15 +226,19 @@ class Simulator:
                         loop.log("transfer_done", job.plan.plan_id, t_event)
                 elif kind == tier_io.EVENT:
                     tier_io.on_event(payload)
+                elif ms_left:
+                    held.append(payload)
                 else:
-                    r: SimRequest = payload
-                    sched.add_request(Request(r.rid, r.prompt, max_tokens=len(r.output), arrival_time=r.arrival))
-                    rec = RequestRecord(r.rid, r.rid if r.id is None else r.id, r.arrival, len(r.prompt))
-                    records[r.rid] = by_rid[r.rid] = rec
-                    if tracing:
-                        loop.log("arrival", r.rid, t_event)
+                    enter(payload, t_event)
             if to > loop.now:
                 loop.now = to
+
+        def enter(r: SimRequest, t_event: float) -> None:
+            sched.add_request(Request(r.rid, r.prompt, max_tokens=len(r.output), arrival_time=r.arrival))
+            rec = RequestRecord(r.rid, r.rid if r.id is None else r.id, r.arrival, len(r.prompt))
+            records[r.rid] = by_rid[r.rid] = rec
+            if tracing:
+                loop.log("arrival", r.rid, t_event)
 
         peek = loop.peek_time
         n_steps_seen = 0
@@ -241,6 +253,10 @@ class Simulator:
                     break
                 advance(nt)
                 continue
+            if held and not ms_left:
+                for r_held in held:
+                    enter(r_held, loop.now)  # it reaches the scheduler now, at the decision it waited for
+                held.clear()
             out = sched.schedule()
             now = loop.now
             if tracing:
@@ -259,6 +275,8 @@ class Simulator:
             if out.num_tokens:
                 attn = 0  # exact in ints; the float of the sum is what a float accumulator gave (< 2**53)
                 kv = 0
+                pre = 0  # tokens and attention units of prefill chunks (requests computing > 1 token)
+                pre_attn = 0
                 sampled: dict = {}
                 firsts: list[int] = []  # requests sampling their first output token (only they can set first_token)
                 for req, n in out.scheduled:
@@ -267,6 +285,9 @@ class Simulator:
                     e = c + n
                     attn += n * (c + e)  # = e * e - c * c
                     kv += e
+                    if n > 1:
+                        pre += n
+                        pre_attn += n * (c + e)
                     if e == len(req.all_token_ids):  # the Request's own list: len() is num_tokens, without a property
                         k = e - req.num_prompt_tokens
                         sampled[rid] = out_ids[rid][k]  # type: ignore[index]
@@ -277,7 +298,12 @@ class Simulator:
                         by_rid[rid].recomputed_tokens += (e if e < mark else mark) - c  # type: ignore[index, union-attr]
                     if e > mark:
                         high[rid] = e  # type: ignore[index]
-                dt = compute.step_time(out.num_tokens, float(attn), kv, len(out.scheduled), len(sampled))
+                dt = compute.step_time(
+                    out.num_tokens, float(attn), kv, len(out.scheduled), len(sampled), pre, float(pre_attn)
+                )
+                if msteps > 1:
+                    # a decision that scheduled only decodes starts a run of msteps steps
+                    ms_left = ms_left - 1 if ms_left else (msteps - 1 if not pre else 0)
                 if out.recomputed_tokens:
                     recompute_s += dt * out.recomputed_tokens / out.num_tokens
                 start = now
@@ -311,9 +337,11 @@ class Simulator:
                 finished = len(records) - sched.num_unfinished
                 if end >= next_usage:
                     m = sched.metrics()
-                    # distinct prefixes cached on the CPU (held or free), as a fraction of the tier
+                    # held: pinned by a swapped request or a load, or being written (cannot be evicted);
+                    # fill: every block the CPU tier caches, held or evictable.  Both are fractions of the tier.
+                    cpu_held = m.cpu_pinned_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
                     fill = m.cpu_cached_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
-                    usage.append((end, m.gpu_usage, m.cpu_usage, fill))
+                    usage.append((end, m.gpu_usage, cpu_held, fill))
                     next_usage = end + usage_dt
                     if (
                         len(usage) >= 2 * self.usage_points
@@ -323,6 +351,9 @@ class Simulator:
                 carry = new_early
             else:
                 carry.extend(new_early)
+                if held:  # nothing runs: the multi-step run is over, and the next decision is now
+                    ms_left = 0
+                    continue
                 if new_early:
                     continue  # a layerwise copy was ordered: its request can run in the next step, now
                 nt = loop.peek_time()
@@ -363,7 +394,9 @@ class Simulator:
         makespan = max((r.finish for r in recs), default=0.0)
         ttft = [r.first_token - r.arrival for r in recs]
         e2e = [r.finish - r.arrival for r in recs]
-        queue = [r.admitted - r.arrival for r in recs if r.admitted >= 0]
+        # the wait in the scheduler's queue: from reaching the scheduler, after the front end
+        front = self.setup.compute.frontend_s
+        queue = [r.admitted - r.arrival - front for r in recs if r.admitted >= 0]
         tpot = [(r.finish - r.first_token) / (r.output_tokens - 1) for r in recs if r.output_tokens > 1]
         n_out = sum(r.output_tokens for r in recs)
         requested = sum(len(o) for o in self.outputs.values())
@@ -423,7 +456,7 @@ class Simulator:
             },
             "tiers": st.tiers.describe(),
             **tier_io.results(m, self.tier_engines),
-            # [time, GPU usage, CPU usage (held), CPU prefix-cache fill]
+            # [time, GPU usage, CPU blocks held (swapped, loading, being written), CPU tier fill], fractions
             "usage": [[round(x, 6) for x in u] for u in usage[::stride]],
             "latency_samples": {"ttft_s": sorted(ttft), "e2e_s": sorted(e2e)},
         }

@@ -21,7 +21,7 @@ from typing import Any
 
 from tiered_kv.errors import TieredKVError
 from tiered_kv.sim.budget import check
-from tiered_kv.sim.config import config_from_raw, read_config, setup
+from tiered_kv.sim.config import config_from_raw, derived_fields, read_config, setup
 from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.progress import Progress
 from tiered_kv.sim.report import plot_sweep, write_json
@@ -51,6 +51,7 @@ def run_cell(cell: Cell, hook: Hook | None = None) -> dict[str, Any]:
         "run": run["name"],
         "policy": run["policy"],
         "mode": run["mode"],
+        "tier": tier_label(run),
         "rate": cell.rate,
         "gpu_kv_gib": cell.gpu_kv_gib,
         "throughput_rps": res["throughput_rps"],
@@ -134,39 +135,78 @@ def _ray(cells: Sequence[Cell], address: str, prog: Progress, per_cell: int) -> 
         ray.shutdown()
 
 
+def tier_label(run: dict[str, Any]) -> str:
+    """What a run keeps below the GPU besides swapped KV: its CPU prefix tier and the tiers under it.
+
+    Runs are compared only with runs of the same label: a CPU prefix tier's
+    gain is the tier's, not the preemption policy's.
+    """
+    if run["offload"] == "none":
+        return "no CPU prefix tier"
+    below = [name for name, t in run["tiers"].items() if isinstance(t, dict) and any(v is not None for v in t.values())]
+    return f"CPU prefix tier ({run['offload']})" + "".join(f" + {name}" for name in below)
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each cost-aware run (mode auto) in each cell against the best fixed-mode run with the same tier label.
+
+    A cost-aware run with no fixed-mode run of its own tier label in the cell
+    gets no verdict (``best_fixed`` is None): there is nothing like it to beat.
+    """
+    out = []
+    cells = dict.fromkeys((r["rate"], r["gpu_kv_gib"]) for r in rows)
+    for rate, mem in cells:
+        cell = [r for r in rows if r["rate"] == rate and r["gpu_kv_gib"] == mem]
+        for smart in (r for r in cell if r["policy"] == "cost_aware" and r["mode"] == "auto"):
+            like = [r for r in cell if r["mode"] in ("swap", "recompute") and r["tier"] == smart["tier"]]
+            best = max(like, key=lambda r: r["throughput_rps"], default=None)
+            ratio = smart["throughput_rps"] / best["throughput_rps"] if best and best["throughput_rps"] else None
+            out.append(
+                {
+                    "rate": rate,
+                    "gpu_kv_gib": mem,
+                    "run": smart["run"],
+                    "tier": smart["tier"],
+                    "best_fixed": best["run"] if best else None,
+                    "ratio_to_best_fixed": ratio,
+                    "cost_aware_at_least_best_fixed": None if ratio is None else ratio >= 1.0,
+                }
+            )
+    return out
+
+
 def _report(
     rows: list[dict[str, Any]], rates: list[float], mems: list[float], emit: Callable[[str], None]
 ) -> list[dict[str, Any]]:
-    """Print one line per cell (throughput per run) and return whether cost-aware matched the best fixed mode."""
+    """Print one line per cell (throughput per run, requests/s) and each cost-aware run's verdict; return those."""
     runs = list(dict.fromkeys(r["run"] for r in rows))
+    tiers = {r["run"]: r["tier"] for r in rows}
+    found = verdicts(rows)
+    emit("throughput in requests/s, one column per run; each run's tier below the GPU:")
+    for n in runs:
+        emit(f"  {n}: {tiers[n]}")
     emit(
-        f"{'rate':>6} {'GPU KV GiB':>10} "
-        + " ".join(f"{n[:20]:>20}" for n in runs)
-        + "   cost-aware >= best fixed mode"
+        "verdict: a cost-aware run's throughput over the best fixed-mode run (swap or recompute) with the same "
+        "tier; n/a where no such run is in the sweep"
     )
-    verdicts = []
+    emit(f"{'rate req/s':>10} {'GPU KV GiB':>10} " + " ".join(f"{n[:20]:>20}" for n in runs) + "   verdict")
     for rate in rates:
         for mem in mems:
             cell = {r["run"]: r for r in rows if r["rate"] == rate and r["gpu_kv_gib"] == mem}
-            fixed = [r["throughput_rps"] for r in cell.values() if r["mode"] in ("swap", "recompute")]
-            smart = [r["throughput_rps"] for r in cell.values() if r["policy"] == "cost_aware" and r["mode"] == "auto"]
-            verdict = None
-            if fixed and smart:
-                verdict = min(smart) >= max(fixed)
-                verdicts.append(
-                    {
-                        "rate": rate,
-                        "gpu_kv_gib": mem,
-                        "cost_aware_at_least_best_fixed": verdict,
-                        "ratio_to_best_fixed": min(smart) / max(fixed),
-                    }
-                )
+            said = []
+            for v in found:
+                if v["rate"] == rate and v["gpu_kv_gib"] == mem:
+                    if v["ratio_to_best_fixed"] is None:
+                        said.append(f"{v['run']}: n/a")
+                    else:
+                        ok = "yes" if v["cost_aware_at_least_best_fixed"] else "NO"
+                        said.append(f"{v['run']} / {v['best_fixed']}: {v['ratio_to_best_fixed']:.3f}x {ok}")
             emit(
-                f"{rate:6g} {mem:10g} "
+                f"{rate:10g} {mem:10g} "
                 + " ".join(f"{cell[n]['throughput_rps']:20.2f}" for n in runs)
-                + ("" if verdict is None else f"   {'yes' if verdict else 'NO'} ({min(smart) / max(fixed):.3f}x)")
+                + ("   " + "; ".join(said) if said else "")
             )
-    return verdicts
+    return found
 
 
 def sweep(
@@ -194,6 +234,9 @@ def sweep(
     name, cells, rates, mems = plan_cells(config)
     work = size(cells[0].cfg["workload"])
     setups = [setup(c.cfg, c.run_index) for c in cells]
+    derived = list(dict.fromkeys(d for st in setups for d in derived_fields(st)))
+    if derived:
+        emit(f"derived, not given in the profiles: {'; '.join(derived)}")
     if ray_address is not None:
         check(work, setups, len(cells), parallel=len(cells), local_parallel=1)
     else:

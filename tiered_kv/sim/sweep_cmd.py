@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.sim.argtypes import positive_int
+from tiered_kv.sim.outputs import add_output, set_inputs
 
 NAME = "sweep"
 SUMMARY = "cross a config's runs with GPU KV sizes and arrival rates"
@@ -26,8 +27,8 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         ),
     )
     p.add_argument("config", help="a YAML config file with a `sweep:` section, or the name of a shipped config")
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the results document (JSON) to this file")
-    p.add_argument("--plots", type=Path, metavar="DIR", help="write sweep.png into this directory")
+    add_output(p, "--json", metavar="PATH", help="write the results document (JSON) to this file")
+    add_output(p, "--plots", "dir", metavar="DIR", help="write sweep.png into this directory")
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--workers",
@@ -44,21 +45,27 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
     )
     p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
     p.set_defaults(func=run)
+    set_inputs(p, inputs)
     return p
+
+
+def inputs(args: argparse.Namespace) -> list[Path]:
+    """What a sweep reads: the config, its profiles and trace."""
+    from tiered_kv.sim.config import input_files
+    from tiered_kv.sim.extras import import_extra
+
+    import_extra("yaml", "this command")
+    return input_files(args.config)
 
 
 def run(args: argparse.Namespace) -> int:
     from tiered_kv.sim.extras import import_extra
-    from tiered_kv.sim.files import check_output_dir, check_output_file
 
     import_extra("yaml", "this command")
     if args.ray is not None:
         import_extra("ray", "--ray")
-    if args.json is not None:
-        check_output_file(args.json, "--json")
     if args.plots is not None:
         import_extra("matplotlib", "--plots")
-        check_output_dir(args.plots, "--plots")
     from tiered_kv.sim.sweep import sweep
 
     sweep(

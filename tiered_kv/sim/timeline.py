@@ -1,4 +1,4 @@
-"""A Chrome/Perfetto trace of one simulation (``tiered-kv simulate --trace``).
+"""A Chrome/Perfetto trace of one simulation (``tiered-kv simulate --timeline``).
 
 Open the file in ``chrome://tracing`` or https://ui.perfetto.dev.  Each run is
 a process with three tracks: the compute steps, and the copies in each

@@ -194,8 +194,8 @@ class Predictor:
             p.hardware = hw.name
             return link_metric(hw.link, s)
         runs = self.results(vf, s["overrides"])
-        cfg_hw = config_from_raw(vf.raw, vf.name)["hardware"]
-        p.hardware = load_hardware(cfg_hw).name
+        # the GPU this point runs on: its own overrides may name another than the file's
+        p.hardware = load_hardware(config_from_raw(vf.raw, vf.name, s["overrides"] or {})["hardware"]).name
         name = s["run"] or next(iter(runs))
         if name not in runs:
             raise ConfigError(f"validation {vf.name}.{p.id}.run: no run {name!r} (runs: {list(runs)})")

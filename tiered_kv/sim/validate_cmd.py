@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.sim.outputs import add_output, set_inputs
+
 NAME = "validate"
 SUMMARY = "compare the simulator's predictions with published measurements"
 
@@ -30,21 +32,37 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         help="validation configs to run: names of shipped ones (such as vllm-paper-fig19) or YAML paths "
         "(default: every shipped one)",
     )
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the points (JSON) to this file")
+    add_output(p, "--json", metavar="PATH", help="write the points (JSON) to this file")
     p.add_argument("--no-progress", action="store_true", help="print no progress lines")
     p.set_defaults(func=run)
+    set_inputs(p, inputs)
     return p
+
+
+def inputs(args: argparse.Namespace) -> list[Path]:
+    """What validation reads: each validation config and the profiles and traces it names."""
+    from tiered_kv.sim.config import referenced_files
+    from tiered_kv.sim.extras import import_extra
+    from tiered_kv.sim.files import read_yaml
+    from tiered_kv.sim.shipped import shipped, shipped_names
+
+    import_extra("yaml", "this command")
+    out: list[Path] = []
+    for ref in args.configs or shipped_names("validation"):
+        p = Path(ref)
+        found = p if p.suffix in (".yaml", ".yml") and p.is_file() else shipped("validation", ref)
+        if isinstance(found, Path):
+            out.append(found)
+            out.extend(referenced_files(read_yaml(found, "validation"), found.resolve().parent))
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     import sys
 
     from tiered_kv.sim.extras import import_extra
-    from tiered_kv.sim.files import check_output_file
 
     import_extra("yaml", "this command")
-    if args.json is not None:
-        check_output_file(args.json, "--json")
     from tiered_kv.sim.report import write_json
     from tiered_kv.sim.validate import rows, run_validation, table, validation_files
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from tiered_kv.sim.argtypes import choice_list, positive_int, positive_int_list
+from tiered_kv.sim.outputs import add_output
 from tiered_kv.storage.spec import LAYOUTS
 from tiered_kv.transfer.factory import ENGINE_KINDS
 
@@ -33,7 +33,7 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
             "one contiguous copy of the same bytes between the same tiers.  Needs torch."
         ),
     )
-    p.add_argument("--json", type=Path, metavar="PATH", help="write one JSON row per case to this file")
+    add_output(p, "--json", metavar="PATH", help="write one JSON row per case to this file")
     p.add_argument(
         "--mib", type=positive_int, default=128, metavar="N", help="MiB moved per case and direction (default: 128)"
     )
@@ -70,10 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from tiered_kv.errors import ResourceLimitError
     from tiered_kv.sim.budget import Machine, human_bytes
     from tiered_kv.sim.extras import import_extra
-    from tiered_kv.sim.files import check_output_file, write_text
+    from tiered_kv.sim.files import write_text
 
-    if args.json is not None:
-        check_output_file(args.json, "--json")
     machine = Machine.this()
     need = TIER_BYTES_PER_CASE_BYTE * (args.mib << 20)
     if machine.memory_bytes is not None and need > machine.memory_bytes // 2:

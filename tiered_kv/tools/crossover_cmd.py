@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.sim.argtypes import positive_int, positive_int_list, power_of_two
+from tiered_kv.sim.outputs import add_output, set_inputs
 from tiered_kv.storage.spec import LAYOUTS
 
 NAME = "crossover"
@@ -65,27 +66,37 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
     _add_measurement_flags(p)
     p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
     p.set_defaults(func=run)
+    set_inputs(p, inputs)
     return p
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
     """Where the calibration, the measurements, the rows and the plot go."""
-    p.add_argument(
+    add_output(
+        p,
         "--calibration-out",
-        type=Path,
         default=Path("out/calibration.json"),
         metavar="PATH",
         help="where to write the calibration (default: %(default)s)",
     )
-    p.add_argument("--json", type=Path, metavar="PATH", help="also write every measurement (JSON) to this file")
-    p.add_argument(
+    add_output(p, "--json", metavar="PATH", help="also write every measurement (JSON) to this file")
+    add_output(
+        p,
         "--rows",
-        type=Path,
+        resolve=_rows_path,
         metavar="PATH",
         help="append each measured row to this JSON Lines file as it is measured "
         "(default: beside --calibration-out, NAME-rows.jsonl)",
     )
-    p.add_argument("--plots", type=Path, metavar="DIR", help="write crossover.png into this directory")
+    add_output(p, "--plots", "dir", metavar="DIR", help="write crossover.png into this directory")
+
+
+def inputs(args: argparse.Namespace) -> list[Path]:
+    """What a measurement reads: profile files given by path, and the calibration."""
+    from tiered_kv.sim.profiles import is_path_ref
+
+    out = [Path(r) for r in (args.model, args.hardware) if r is not None and is_path_ref(r)]
+    return [*out, *([args.calibration] if args.calibration is not None else [])]
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -159,16 +170,11 @@ def _rows_path(args: argparse.Namespace) -> Path:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
+    """The extras the outputs need (the paths themselves were claimed before the command ran)."""
     from tiered_kv.sim.extras import import_extra
-    from tiered_kv.sim.files import check_output_dir, check_output_file
 
-    check_output_file(args.calibration_out, "--calibration-out")
-    check_output_file(_rows_path(args), "--rows")
-    if args.json is not None:
-        check_output_file(args.json, "--json")
     if args.plots is not None:
         import_extra("matplotlib", "--plots")
-        check_output_dir(args.plots, "--plots")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.sim.outputs import add_output, set_inputs
+
 NAME = "fidelity"
 SUMMARY = "compare the simulator's prediction with the real engine"
 
@@ -41,22 +43,30 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         metavar="PATH",
         help="the calibration written by `tiered-kv crossover` (default: %(default)s)",
     )
-    p.add_argument("--json", type=Path, metavar="PATH", help="write predicted and measured rows (JSON) to this file")
+    add_output(p, "--json", metavar="PATH", help="write predicted and measured rows (JSON) to this file")
     p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
     p.set_defaults(func=run)
+    set_inputs(p, inputs)
     return p
+
+
+def inputs(args: argparse.Namespace) -> list[Path]:
+    """What a comparison reads: the calibration, the config and what it names."""
+    from tiered_kv.sim.config import input_files
+    from tiered_kv.sim.extras import import_extra
+
+    import_extra("yaml", "this command")
+    return [args.calibration, *input_files(args.config if args.config is not None else "fidelity-tiny")]
 
 
 def run(args: argparse.Namespace) -> int:
     from tiered_kv.sim.calibration import load_calibration
     from tiered_kv.sim.extras import import_extra
-    from tiered_kv.sim.files import check_output_file, write_text
+    from tiered_kv.sim.files import write_text
     from tiered_kv.sim.progress import Phases
 
     import_extra("yaml", "this command")
     load_calibration(args.calibration)  # a missing or broken calibration fails before torch is even imported
-    if args.json is not None:
-        check_output_file(args.json, "--json")
     import_extra("torch", "this command")
     from tiered_kv.tools.fidelity import fidelity
 

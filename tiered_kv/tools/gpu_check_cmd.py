@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.sim.argtypes import choice_list
+from tiered_kv.sim.outputs import add_output
 
 NAME = "gpu-check"
 SUMMARY = "prove the CUDA half in minutes: gpu tests, bandwidth, overlap, crossover"
@@ -44,9 +45,10 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
             "of every part on any machine.  Exit status 0 when every part finished and every test passed."
         ),
     )
-    p.add_argument(
+    add_output(
+        p,
         "--out",
-        type=Path,
+        "dir",
         default=Path("out/gpu-check"),
         metavar="DIR",
         help="directory for the results (default: %(default)s)",
@@ -75,9 +77,7 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
 def run(args: argparse.Namespace) -> int:
     from tiered_kv.errors import ConfigError
     from tiered_kv.sim.extras import import_extra
-    from tiered_kv.sim.files import check_output_dir
 
-    check_output_dir(args.out, "--out")
     import_extra("torch", "this command")
     from tiered_kv.transfer.availability import cuda_missing
 

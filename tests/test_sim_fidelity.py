@@ -1,0 +1,148 @@
+"""Prefill efficiency, the serving front end and multi-step scheduling: hand-derived timings on tiny setups."""
+
+import json
+
+import pytest
+from simutil import config, run
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.sim.compute import ComputeModel
+from tiered_kv.sim.profiles import load_hardware, load_model
+
+
+def test_prefill_chunks_run_at_prefill_mfu_and_decode_rows_at_mfu():
+    hw, m = load_hardware("h200"), load_model("llama3-8b")
+    cm = ComputeModel(hw, m, mfu=0.5, hbm_efficiency=1.0, step_overhead_s=0.0, prefill_mfu=0.8)
+    p, lm, a = 2 * m.params_per_gpu, 2 * m.vocab_size * m.hidden_size, 2 * m.num_layers * m.attn_dim_per_gpu
+    # one 1000-token prompt from scratch (it samples its first token) and two decode rows at context 100
+    pre_attn = 1000**2
+    dec_attn = 2 * (101**2 - 100**2)
+    decode = p * 2 + lm * 3 + a * dec_attn
+    prefill = p * 1000 + a * pre_attn
+    expected = decode / (989e12 * 0.5) + prefill / (989e12 * 0.8)
+    memory = (m.streamed_weight_bytes_per_gpu + (1000 + 2 * 101) * m.kv_bytes_per_token) / 4.8e12
+    assert expected > memory  # compute-bound, so the prediction is the compute roof
+    got = cm.step_time(1002, float(pre_attn + dec_attn), 1202, 3, 3, 1000, float(pre_attn))
+    assert got == pytest.approx(expected, rel=1e-12)
+    # the manager's cost model prices recompute (a prefill) at the prefill roof
+    assert cm.prefill_tokens_per_s() == pytest.approx(989e12 * 0.8 / p)
+    assert cm.prefill_quadratic() == pytest.approx(2 * a / (989e12 * 0.8))
+    # without prefill_mfu one efficiency prices both
+    one = ComputeModel(hw, m, mfu=0.5, hbm_efficiency=1.0, step_overhead_s=0.0)
+    assert one.step_time(1002, float(pre_attn + dec_attn), 1202, 3, 3, 1000, float(pre_attn)) == pytest.approx(
+        (decode + prefill) / (989e12 * 0.5), rel=1e-12
+    )
+
+
+def test_a_long_prefill_is_priced_by_its_attention():
+    # 100k tokens of Llama-3-8B from scratch: attention is 2 * 32 * 4096 * 1e10 FLOPs, dense 2 * P * 1e5
+    hw, m = load_hardware("h100-sxm"), load_model("llama3-8b")
+    cm = ComputeModel(hw, m, mfu=0.5, hbm_efficiency=1.0, step_overhead_s=0.0, prefill_mfu=0.6)
+    n = 100_000
+    attn = 2 * 32 * 4096 * n**2
+    dense = 2 * m.params_per_gpu * n
+    assert attn > dense  # past 53k tokens attention is the larger share
+    lm = 2 * m.vocab_size * m.hidden_size
+    expected = lm / (989e12 * 0.5) + (dense + attn) / (989e12 * 0.6)
+    assert cm.step_time(n, float(n * n), n, 1, 1, n, float(n * n)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_front_end_delays_entry_and_counts_in_ttft_but_in_no_step():
+    # TINY: two 4-token prompts with 2 output tokens, sent at 0 s and 2 s; every step takes 1 s.  With
+    # 0.25 s of front end each reaches the scheduler 0.25 s after it was sent: prefill [0.25, 1.25],
+    # decode [1.25, 2.25]; the second one [2.25, 3.25] and [3.25, 4.25].
+    res, sim = run(config(compute__frontend_s=0.25), trace=True)
+    assert sim.loop.trace == [
+        (0.25, "arrival", 0),
+        (0.25, "admit", 0),
+        (0.25, "step", ((0, 4),)),
+        (1.25, "step", ((0, 1),)),
+        (2.25, "finish", 0),
+        (2.25, "arrival", 1),
+        (2.25, "admit", 1),
+        (2.25, "step", ((1, 4),)),
+        (3.25, "step", ((1, 1),)),
+        (4.25, "finish", 1),
+    ]
+    assert res["ttft_s"]["p50"] == 1.25 and res["e2e_s"]["p99"] == 2.25 and res["makespan_s"] == 4.25
+    assert res["tpot_s"]["p50"] == 1.0  # no step pays for the front end
+    assert res["queue_s"]["p99"] == 0.0  # nor is it a wait in the scheduler's queue
+    assert [r.arrival for r in sim.records.values()] == [0.0, 2.0]  # the records keep the time it was sent
+
+
+def _trace_config(tmp_path, rows, **changes):
+    p = tmp_path / "t.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return config(workload__trace=str(p), workload__num_requests=len(rows), **changes)
+
+
+ROWS = [
+    {"arrival": 0.0, "prompt_len": 4, "output_len": 6},  # A
+    {"arrival": 1.5, "prompt_len": 4, "output_len": 2},  # B
+]
+
+
+def test_multi_step_scheduling_holds_an_arrival_until_the_run_of_decodes_ends(tmp_path):
+    # Three steps per decision.  A's prefill [0, 1] is a decision of its own (it has a prefill chunk);
+    # the decode at 1 s starts a run of three (1, 2, 3); B, sent at 1.5 s, waits for the decision at
+    # 4 s, where its prefill joins A's decode: B's first token at 5 s, 3.5 s after it was sent.
+    _, sim = run(_trace_config(tmp_path, ROWS, compute__scheduler_steps=3), trace=True)
+    assert sim.loop.trace == [
+        (0.0, "arrival", 0),
+        (0.0, "admit", 0),
+        (0.0, "step", ((0, 4),)),
+        (1.0, "step", ((0, 1),)),
+        (2.0, "step", ((0, 1),)),
+        (3.0, "step", ((0, 1),)),
+        (4.0, "arrival", 1),
+        (4.0, "admit", 1),
+        (4.0, "step", ((0, 1), (1, 4))),
+        (5.0, "step", ((0, 1), (1, 1))),
+        (6.0, "finish", 0),
+        (6.0, "finish", 1),
+    ]
+    ttft = {r.rid: r.first_token - r.arrival for r in sim.records.values()}
+    assert ttft == {0: 1.0, 1: 3.5}
+    # one step per decision: B joins at 2 s, first token at 3 s
+    _, one = run(_trace_config(tmp_path, ROWS), trace=True)
+    assert {r.rid: r.first_token - r.arrival for r in one.records.values()} == {0: 1.0, 1: 1.5}
+
+
+def test_a_held_arrival_enters_when_nothing_runs(tmp_path):
+    # A finishes inside its run of decodes (two output tokens: prefill, one decode at 1 s that starts a
+    # run of four); B, sent at 1.5 s, is held, and when nothing is left to run the decision is at once.
+    rows = [{"arrival": 0.0, "prompt_len": 4, "output_len": 2}, {"arrival": 1.5, "prompt_len": 4, "output_len": 2}]
+    res, sim = run(_trace_config(tmp_path, rows, compute__scheduler_steps=4), trace=True)
+    assert [e for e in sim.loop.trace if e[1] in ("arrival", "finish")] == [
+        (0.0, "arrival", 0),
+        (2.0, "finish", 0),
+        (2.0, "arrival", 1),
+        (4.0, "finish", 1),
+    ]
+    assert res["makespan_s"] == 4.0
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"compute__scheduler_steps": 0}, r"compute\.scheduler_steps: must be > 0"),
+        ({"compute__scheduler_steps": True}, r"compute\.scheduler_steps: expected an integer"),
+        ({"compute__frontend_s": -1.0}, r"compute\.frontend_s: must be >= 0"),
+        ({"compute__prefill_mfu": 1.5}, r"compute\.prefill_mfu: must be in \(0, 1\]"),
+        ({"hardware__step_model": {"frontend_s": 0.0}}, r"hardware\.step_model\.prefill_mfu: required key is missing"),
+        ({"hardware__step_model": {"prefill_mfu": 0.5}}, r"hardware\.step_model\.frontend_s: required key is missing"),
+    ],
+)
+def test_bad_fidelity_settings_name_the_key(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        config(**changes)
+
+
+def test_a_shipped_profile_prices_the_front_end_into_every_run():
+    from tiered_kv.sim.config import config_from_raw, setup
+
+    hw = load_hardware("h200")
+    cfg = config_from_raw({"hardware": "h200", "model": "llama3-8b"}, "main")
+    assert hw.step.frontend_s > 0 and setup(cfg, 0).compute.frontend_s == hw.step.frontend_s
+    off = config_from_raw({"hardware": "h200", "model": "llama3-8b", "compute": {"frontend_s": 0}}, "x")
+    assert setup(off, 0).compute.frontend_s == 0.0  # the config's override wins
