@@ -1,601 +1,267 @@
-"""CPU store benchmark: one connector-shaped call sequence against our store and a vLLM-structure store.
+"""CPU store benchmark: our ``CPUStore`` against vLLM 0.33.0's real ``CPUOffloadingManager``, per policy.
 
-The trace (seeded): 20 000 requests over a 4096-block CPU store.  Prompts start
-with one of 24 shared system prompts (8-48 blocks, Zipf s=1.1) or, 40% of the
-time, resend a recent conversation whole (multi-turn); then 2-24 new user
-blocks; outputs are long-tailed (median 10 blocks, at most 128).  Keys are
-36-byte block hashes (32-byte hash + 4-byte group id, as vLLM keys its
-offloaded blocks).
+vLLM's class is imported from its wheel (``tests/vllm_ref_offload.py``: only the
+offloading manager and its policies, with stubs for the logger and the metrics
+record).  One seeded, connector-shaped trace is played against vLLM's manager
+and its every call is recorded with its result: ``--running`` requests at a
+time share system prompts and resend conversations; admission looks up the
+prefix key by key and loads the hits (``prepare_load``, its ``complete_load``
+some steps later); each step stores the next chunk of 1-8 blocks
+(``prepare_store``; 30% of the time re-offering blocks already offered);
+stores complete later (``complete_store`` with the offer as a set; 5% fail);
+requests finish (``on_request_finished``), often before their copies land;
+each step ends with ``on_schedule_end``.
 
-The driver plays the offloading connector against the vLLM-structure store
-(``_vllm_style_store.py``), ``--running`` requests at a time (64 by default),
-one step = one prefill chunk of up to 32 blocks or one decoded block per
-request:
+Then a checking pass: our store must answer every call exactly as vLLM's did
+(each lookup, each load's slots, each store's keys, slots and evictions, in
+order).  Then timed passes, alternating, best of ``--repeat``: the same call
+list replayed against a fresh vLLM manager and a fresh ``CPUStore``.  The ratio
+is vLLM's time over ours, measured in the same run.
 
-* admission: per-key ``lookup`` from the first block until one is not a hit
-  (the last prompt block is always recomputed); hits are pinned with
-  ``prepare_load`` and ``touch``-ed, and unpinned with ``complete_load`` 1-4
-  steps later (the load's duration), before prefill;
-* every step that completes full blocks: ``prepare_store`` of the blocks not
-  yet offered (a refused store is offered again, with more blocks, next step);
-* finish: the request's stores complete (``complete_store(..., True)`` for its
-  successful ones, ``complete_store(..., False)`` for the 5% that failed), then
-  ``on_request_finished``.  Stores stay pending until their request finishes,
-  as in vLLM's connector, which learns of finished sends per request.
-
-``--touches connector`` adds what vLLM's connector also does: a ``touch`` of
-the whole prompt before its lookups and of every computed block after each
-accepted store.  (Our tier manager touches only the blocks it loads.)
-
-The calls are recorded with their results, then replayed against fresh stores:
-first a checking pass (every result of ``tiered_kv``'s ``CPUStore`` must equal
-the recorded one call for call: lookups, slots shifted by one, keys to store,
-evicted keys in order, refusals; resident keys, slots, states and LRU order at
-checkpoints and at the end), then timed passes.  ``tiered_kv`` is replayed
-twice: with the same per-key ``lookup`` calls, and with one ``lookup_prefix``
-per admission (the verb our tier manager uses).  Timings: whole replays (best
-of ``--repeat``, alternating) and, in separate passes, per call kind with the
-timer's own cost subtracted (best of ``--repeat``).  ``--sweep 32,64,128``
-prints whole-replay ratios for several loads instead.
-
-Usage: python benchmarks/bench_store.py [--requests N] [--running R | --sweep R1,R2,...] [--repeat K]
-       [--touches hits|connector] [--status dataclass|ctypes] [--json PATH] [--count IMPL]
+Usage: python benchmarks/bench_store.py [--requests N] [--running R] [--capacity C] [--repeat K] [--policy lru|arc]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
-import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from _vllm_style_store import BlockStatus, CBlockStatus, ReqContext, VCPUStoreManager, VLookupResult
+import vllm_ref_offload
 
-from tiered_kv.manager.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.store import RequestContext
 
-CAPACITY = 4096
-MAX_RUNNING = 64
-PREFILL_CHUNK = 32  # blocks per step
-LOAD_STEPS = (1, 4)
-STORE_FAIL = 0.05
-GROUP0 = (0).to_bytes(4, "big")
-
-# Call kinds, in table order.
-LOOKUP, LOOKUP_PREFIX, TOUCH, LOAD, UNLOAD, STORE, COMPLETE, FINISH = range(8)
-KIND_NAMES = [
-    "lookup",
-    "lookup_prefix",
-    "touch",
-    "prepare_load",
-    "complete_load",
-    "prepare_store",
-    "complete_store",
-    "on_request_finished",
-]
+BLOCK = 16
+NEW, LOOKUP, LOAD, UNLOAD, STORE, COMPLETE, FINISH, STEP = range(8)
+NAMES = ["on_new_request", "lookup", "prepare_load", "complete_load", "prepare_store", "complete_store",
+         "on_request_finished", "on_schedule_end"]  # fmt: skip
 
 
-@dataclass(slots=True)
-class StoreRequest:
-    rid: int
-    prompt: list[bytes]
-    output: list[bytes]
-
-
-def make_store_trace(
-    num_requests: int = 20_000,
-    num_system_prompts: int = 24,
-    zipf_s: float = 1.1,
-    followup_prob: float = 0.4,
-    seed: int = 0,
-) -> list[StoreRequest]:
-    """Block-level requests: shared system prompts, multi-turn resends, new user and output blocks."""
+def make_trace(v, policy: str, capacity: int, n_requests: int, running: int, seed: int) -> list[tuple]:
+    """Play the trace against vLLM's manager; return its calls ``(kind, req index, args..., result)``."""
     rng = random.Random(seed)
+    mk = v.base.make_offload_key
+    docs = [[mk(f"d{d}-{i}".encode(), 0) for i in range(96)] for d in range(64)]
+    mgr = v.manager.CPUOffloadingManager(capacity, cache_policy=policy)
+    calls: list[tuple] = []
+    reqs: list[list] = []  # [keys, vllm ctx, next store, stores in flight, loads in flight]
+    active: list[int] = []
+    closing: list[int] = []
 
-    def new_keys(n: int) -> list[bytes]:
-        return [rng.randbytes(32) + GROUP0 for _ in range(n)]
-
-    systems = [new_keys(rng.randint(8, 48)) for _ in range(num_system_prompts)]
-    weights = [1 / (k + 1) ** zipf_s for k in range(num_system_prompts)]
-    history: list[list[bytes]] = []
-    out = []
-    for rid in range(num_requests):
-        base = None
-        if history and rng.random() < followup_prob:
-            base = history[rng.randrange(len(history))]
-            if len(base) > 192:  # a conversation that long starts over
-                base = None
-        if base is None:
-            base = systems[rng.choices(range(num_system_prompts), weights)[0]]
-        prompt = base + new_keys(rng.randint(2, 24))
-        # Output lengths are long-tailed: median ~10 blocks (160 tokens), up to 128.
-        output = new_keys(min(128, max(1, round(rng.lognormvariate(2.3, 0.9)))))
-        history.append(prompt + output)
-        if len(history) > 256:
-            history.pop(rng.randrange(len(history)))
-        out.append(StoreRequest(rid, prompt, output))
-    return out
-
-
-# ------------------------------------------------------------------ recording
-@dataclass
-class Recording:
-    """The connector's calls, in order, with what the vLLM-structure store answered.
-
-    ``ops`` entries: ``(kind, rid, args, result)``.  A lookup entry is one
-    admission's lookups: ``args`` is the keys looked at (the prompt minus its
-    last block), ``result`` the per-key answers (names), ending at the first
-    that is not a hit.  Slot ids are recorded as vLLM numbers them (from 0).
-    """
-
-    ops: list[tuple] = field(default_factory=list)
-    num_requests: int = 0
-    capacity: int = CAPACITY
-    final: list[tuple] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Running:
-    req: StoreRequest
-    keys: list[bytes]
-    ctx: ReqContext
-    computed: int = 0
-    offered: int = 0  # blocks handed to prepare_store so far (accepted)
-    load_keys: list[bytes] | None = None
-    load_done: int = 0
-    ok: list[bytes] = field(default_factory=list)
-    failed: list[bytes] = field(default_factory=list)
-
-
-def _norm_store(out: object, shift: int) -> tuple | None:
-    if out is None:
-        return None
-    ids = out.store_spec.block_ids  # type: ignore[attr-defined]
-    return (tuple(out.keys_to_store), tuple(i + shift for i in ids), tuple(out.evicted_keys))  # type: ignore[attr-defined]
-
-
-def record(
-    trace: list[StoreRequest],
-    capacity: int = CAPACITY,
-    seed: int = 1,
-    touches: str = "hits",
-    running: int = MAX_RUNNING,
-) -> Recording:
-    """Drive the vLLM-structure store the way the offloading connector does, recording every call.
-
-    ``touches="hits"`` touches the loaded hits only; ``"connector"`` also
-    touches the whole prompt before its lookups and every computed block after
-    each accepted store, as vLLM's connector does.
-    """
-    rng = random.Random(seed)
-    every_touch = touches == "connector"
-    m = VCPUStoreManager(capacity)
-    rec = Recording(num_requests=len(trace), capacity=capacity)
-    ops = rec.ops
-    pending = iter(trace)
-    max_running = running
-    running: list[_Running] = []
-    step = 0
-    more = True
-    while more or running:
-        while more and len(running) < max_running:
-            req = next(pending, None)
-            if req is None:
-                more = False
+    def new() -> int:
+        i = len(reqs)
+        doc = docs[min(int(rng.paretovariate(1.1)) - 1, len(docs) - 1)]
+        keys = doc[: rng.randint(0, 80)] + [mk(f"r{i}-{j}".encode(), 0) for j in range(rng.randint(1, 24))]
+        ctx = v.base.ReqContext(req_id=str(i))
+        for j, k in enumerate(keys):
+            ctx.set_offload_key_position(k, (j + 1) * BLOCK)
+        reqs.append([keys, ctx, 0, [], []])
+        mgr.on_new_request(ctx)
+        calls.append((NEW, i))
+        n = 0
+        for k in keys[:-1]:
+            hit = mgr.lookup(k, ctx) is v.base.LookupResult.HIT
+            calls.append((LOOKUP, i, k, hit))
+            if not hit:
                 break
-            st = _Running(req, req.prompt + req.output, ReqContext(str(req.rid)))
-            if every_touch:
-                m.touch(req.prompt, st.ctx)
-                ops.append((TOUCH, req.rid, req.prompt, None))
-            looked = req.prompt[:-1]
-            answers = []
-            for key in looked:
-                answer = m.lookup(key, st.ctx)
-                answers.append(answer.name)
-                if answer is not VLookupResult.HIT:
-                    break
-            ops.append((LOOKUP, req.rid, looked, answers))
-            hits = len(answers) - (answers[-1] != "HIT") if answers else 0
-            if hits:
-                st.load_keys = req.prompt[:hits]
-                spec = m.prepare_load(st.load_keys, st.ctx)
-                ops.append((LOAD, req.rid, st.load_keys, tuple(spec.block_ids)))
-                if not every_touch:
-                    m.touch(st.load_keys, st.ctx)
-                    ops.append((TOUCH, req.rid, st.load_keys, None))
-                st.load_done = step + rng.randint(*LOAD_STEPS)
-            st.computed = st.offered = hits
-            running.append(st)
-        still = []
-        for st in running:
-            if st.load_keys is not None:
-                if step < st.load_done:
-                    still.append(st)
-                    continue
-                m.complete_load(st.load_keys, st.ctx)
-                ops.append((UNLOAD, st.req.rid, st.load_keys, None))
-                st.load_keys = None
-            n_prompt = len(st.req.prompt)
-            st.computed = min(n_prompt, st.computed + PREFILL_CHUNK) if st.computed < n_prompt else st.computed + 1
-            new = st.keys[st.offered : st.computed]
-            if new:
-                out = m.prepare_store(new, st.ctx)
-                ops.append((STORE, st.req.rid, new, _norm_store(out, 0)))
+            n += 1
+        if n:
+            spec = mgr.prepare_load(keys[:n], ctx)
+            calls.append((LOAD, i, keys[:n], tuple(x + 1 for x in spec.block_ids.tolist())))
+            reqs[i][4].append(keys[:n])
+        reqs[i][2] = n
+        active.append(i)
+        return i
+
+    def complete(i: int) -> None:
+        r = reqs[i]
+        if r[3] and (not r[4] or rng.random() < 0.6):
+            keys, ok = r[3].pop(rng.randrange(len(r[3])))
+            mgr.complete_store(keys, r[1], ok)
+            calls.append((COMPLETE, i, keys, ok))
+        elif r[4]:
+            keys = r[4].pop(0)
+            mgr.complete_load(keys, r[1])
+            calls.append((UNLOAD, i, keys))
+
+    while len(reqs) < n_requests or active or closing:
+        new_ids = []
+        while len(reqs) < n_requests and len(active) < running and rng.random() < 0.7:
+            new_ids.append(str(new()))
+        for i in list(active):
+            r = reqs[i]
+            keys, x = r[0], rng.random()
+            if r[2] < len(keys) and x < 0.7:
+                start = rng.randrange(0, r[2]) if r[2] and rng.random() < 0.3 else r[2]
+                end = min(len(keys), r[2] + rng.randint(1, 8))
+                chunk = keys[start:end]
+                r[2] = max(r[2], end)
+                out = mgr.prepare_store(chunk, r[1])
+                res = None
                 if out is not None:
-                    st.offered = st.computed
-                    if out.keys_to_store and every_touch:
-                        sofar = st.keys[: st.computed]
-                        m.touch(sofar, st.ctx)
-                        ops.append((TOUCH, st.req.rid, sofar, None))
+                    ids = tuple(x + 1 for x in out.store_spec.block_ids.tolist())
+                    res = (list(out.keys_to_store), ids, list(out.evicted_keys))
                     if out.keys_to_store:
-                        (st.failed if rng.random() < STORE_FAIL else st.ok).extend(out.keys_to_store)
-            if st.computed < len(st.keys):
-                still.append(st)
-                continue
-            for keys, success in ((st.ok, True), (st.failed, False)):
-                if keys:
-                    m.complete_store(keys, st.ctx, success)
-                    ops.append((COMPLETE, st.req.rid, keys, success))
-            m.on_request_finished(st.ctx)
-            ops.append((FINISH, st.req.rid, None, None))
-        running = still
-        step += 1
-    rec.final = [(key, block_id, ref) for key, block_id, ref in m.resident()]
-    return rec
+                        r[3].append((set(chunk), rng.random() >= 0.05))
+                calls.append((STORE, i, chunk, res))
+            elif x < 0.85 and (r[3] or r[4]):
+                complete(i)
+            elif r[2] >= len(keys) or x < 0.88:
+                mgr.on_request_finished(r[1])
+                calls.append((FINISH, i))
+                active.remove(i)
+                if r[3] or r[4]:
+                    closing.append(i)
+        for i in list(closing):
+            if rng.random() < 0.5:
+                complete(i)
+                if not (reqs[i][3] or reqs[i][4]):
+                    closing.remove(i)
+        mgr.on_schedule_end(v.base.ScheduleEndContext(new_req_ids=new_ids, preempted_req_ids=[]))
+        calls.append((STEP, tuple(new_ids)))
+    return calls, [r[0] for r in reqs]
 
 
-# ------------------------------------------------------------------- replaying
-Call = tuple[int, Callable, tuple]
-
-
-def vllm_calls(rec: Recording, m: VCPUStoreManager) -> list[Call]:
-    ctxs: dict[int, ReqContext] = {}
-    calls: list[Call] = []
-    for kind, rid, args, result in rec.ops:
-        ctx = ctxs.get(rid)
-        if ctx is None:
-            ctx = ctxs[rid] = ReqContext(str(rid))
-        if kind == LOOKUP:
-            calls.extend((LOOKUP, m.lookup, (key, ctx)) for key in args[: len(result)])
-        elif kind == TOUCH:
-            calls.append((TOUCH, m.touch, (args, ctx)))
+def check(calls: list[tuple], keys: list[list], policy: str, capacity: int) -> dict[str, int]:
+    """Replay ``calls`` against a fresh ``CPUStore``; raise on the first answer that is not vLLM's."""
+    store = CPUStore(capacity + 1, policy)
+    ctxs = _our_contexts(keys)
+    counts = {"calls": len(calls), "evicted": 0, "hits": 0}
+    for n, c in enumerate(calls):
+        kind = c[0]
+        if kind == NEW:
+            store.on_new_request(ctxs[c[1]])
+        elif kind == LOOKUP:
+            got = store.lookup(c[2]).name == "HIT"
+            assert got == c[3], (n, c, got)
+            counts["hits"] += got
         elif kind == LOAD:
-            calls.append((LOAD, m.prepare_load, (args, ctx)))
+            assert store.prepare_load(c[2], ctxs[c[1]]).block_ids == c[3], (n, c)
         elif kind == UNLOAD:
-            calls.append((UNLOAD, m.complete_load, (args, ctx)))
+            store.complete_load(c[2], ctxs[c[1]])
         elif kind == STORE:
-            calls.append((STORE, m.prepare_store, (args, ctx)))
+            out = store.prepare_store(c[2], ctxs[c[1]])
+            got = None if out is None else (list(out.keys_to_store), out.store_spec.block_ids, list(out.evicted_keys))
+            assert got == c[3], (n, c, got)
+            counts["evicted"] += len(out.evicted_keys) if out else 0
         elif kind == COMPLETE:
-            calls.append((COMPLETE, m.complete_store, (args, ctx, result)))
+            store.complete_store(c[2], c[3], ctxs[c[1]])
+        elif kind == FINISH:
+            store.on_request_finished(ctxs[c[1]])
         else:
-            calls.append((FINISH, m.on_request_finished, (ctx,)))
-    return calls
-
-
-def ours_calls(rec: Recording, s: CPUStore, prefix: bool) -> list[Call]:
-    """Our store's calls for the same sequence (it keeps no per-request state: no finish hook)."""
-    calls: list[Call] = []
-    for kind, _rid, args, result in rec.ops:
-        if kind == LOOKUP:
-            if prefix:
-                calls.append((LOOKUP_PREFIX, s.lookup_prefix, (args,)))
-            else:
-                calls.extend((LOOKUP, s.lookup, (key,)) for key in args[: len(result)])
-        elif kind == TOUCH:
-            calls.append((TOUCH, s.touch, (args,)))
-        elif kind == LOAD:
-            calls.append((LOAD, s.prepare_load, (args,)))
-        elif kind == UNLOAD:
-            calls.append((UNLOAD, s.complete_load, (args,)))
-        elif kind == STORE:
-            calls.append((STORE, s.prepare_store, (args,)))
-        elif kind == COMPLETE:
-            calls.append((COMPLETE, s.complete_store, (args, result)))
-    return calls
-
-
-def new_vllm(rec: Recording, status: str = "dataclass") -> VCPUStoreManager:
-    return VCPUStoreManager(rec.capacity, status_cls=CBlockStatus if status == "ctypes" else BlockStatus)
-
-
-def new_ours(rec: Recording) -> CPUStore:
-    return CPUStore(rec.capacity + 1, policy="lru")
-
-
-def _ours_resident(s: CPUStore) -> list[tuple]:
-    # Back to vLLM's numbering and encoding (slot - 1; ref -1 while pending).
-    return [(e.key, e.block_id - 1, e.ref_cnt if e.ready else -1) for e in s.entries()]
-
-
-class Mismatch(AssertionError):
-    pass
-
-
-def check(rec: Recording, status: str = "dataclass", every: int = 50_000) -> dict[str, int]:
-    """Replay the recording against fresh stores and compare every decision; return what was compared."""
-    m, s, sp = new_vllm(rec, status), new_ours(rec), new_ours(rec)
-    counts = dict.fromkeys(["calls", "lookups", "stores", "refused", "evicted", "loads", "checkpoints", "resident"], 0)
-    for n, (kind, rid, args, result) in enumerate(rec.ops):
-        if n % every == 0:
-            _same_resident(m, s, sp, n)
-            counts["checkpoints"] += 1
-        ctx = ReqContext(str(rid))
-        if kind == LOOKUP:
-            looked = args[: len(result)]
-            got_v = [m.lookup(k, ctx).name for k in looked]
-            got_s = [s.lookup(k).name for k in looked]
-            hits = len(result) - (result[-1] != "HIT") if result else 0
-            got_p = sp.lookup_prefix(args)
-            if not (got_v == got_s == result and got_p == hits):
-                raise Mismatch(f"op {n}: lookups {got_v} / {got_s} / prefix {got_p}, recorded {result}")
-            counts["lookups"] += len(looked)
-            counts["calls"] += len(looked)
-            continue
-        if kind == FINISH:
-            m.on_request_finished(ctx)
-            counts["calls"] += 1
-            continue
-        if kind == TOUCH:
-            got = (m.touch(args, ctx), s.touch(args), sp.touch(args))
-            want = (None, None, None)
-        elif kind == LOAD:
-            got = (
-                tuple(m.prepare_load(args, ctx).block_ids),
-                *(tuple(i - 1 for i in x.prepare_load(args).block_ids) for x in (s, sp)),
-            )
-            want = (result, result, result)
-            counts["loads"] += 1
-        elif kind == UNLOAD:
-            got = (m.complete_load(args, ctx), s.complete_load(args), sp.complete_load(args))
-            want = (None, None, None)
-        elif kind == STORE:
-            got = (
-                _norm_store(m.prepare_store(args, ctx), 0),
-                _norm_store(s.prepare_store(args), -1),
-                _norm_store(sp.prepare_store(args), -1),
-            )
-            want = (result, result, result)
-            counts["stores"] += 1
-            counts["refused"] += result is None
-            counts["evicted"] += len(result[2]) if result else 0
-        else:
-            got = (m.complete_store(args, ctx, result), s.complete_store(args, result), sp.complete_store(args, result))
-            want = (None, None, None)
-        counts["calls"] += 1
-        if got != want:
-            raise Mismatch(f"op {n} ({KIND_NAMES[kind]}): got {got}, recorded {want[0]}")
-    _same_resident(m, s, sp, len(rec.ops))
-    if m.resident() != rec.final:
-        raise Mismatch("the replay of the vLLM-structure store does not end where the recording did")
-    s.check_invariants()
-    sp.check_invariants()
-    counts["resident"] = len(rec.final)
+            store.on_schedule_end(c[1], ())
+    store.check_invariants()
     return counts
 
 
-def _same_resident(m: VCPUStoreManager, s: CPUStore, sp: CPUStore, n: int) -> None:
-    want = m.resident()
-    if _ours_resident(s) != want or _ours_resident(sp) != want:
-        raise Mismatch(f"after op {n}: resident keys, slots, states or LRU order differ")
+def _our_contexts(keys: list[list]) -> list[RequestContext]:
+    out = []
+    for i, ks in enumerate(keys):
+        ctx = RequestContext(str(i))
+        ctx.set_positions(ks, BLOCK, BLOCK)
+        out.append(ctx)
+    return out
 
 
-# -------------------------------------------------------------------- timing
-def run(calls: list[Call]) -> None:
-    """Issue every call, in order."""
-    for _, fn, args in calls:
-        fn(*args)
+def _vllm_contexts(v, keys: list[list]) -> list:
+    out = []
+    for i, ks in enumerate(keys):
+        ctx = v.base.ReqContext(req_id=str(i))
+        for j, k in enumerate(ks):
+            ctx.set_offload_key_position(k, (j + 1) * BLOCK)
+        out.append(ctx)
+    return out
 
 
-def replay(calls: list[Call]) -> float:
-    """Seconds to issue every call, in order."""
+def time_vllm(v, calls: list[tuple], keys: list[list], policy: str, capacity: int) -> float:
+    mgr = v.manager.CPUOffloadingManager(capacity, cache_policy=policy)
+    ctxs = _vllm_contexts(v, keys)
+    new, lookup, load, unload = mgr.on_new_request, mgr.lookup, mgr.prepare_load, mgr.complete_load
+    store, complete, finish, step = mgr.prepare_store, mgr.complete_store, mgr.on_request_finished, mgr.on_schedule_end
+    end = v.base.ScheduleEndContext
     gc.collect()
-    gc.freeze()  # the trace's own objects are old: keep collections to what the stores allocate
     t0 = time.perf_counter()
-    run(calls)
-    t = time.perf_counter() - t0
-    gc.unfreeze()
-    return t
+    for c in calls:
+        kind = c[0]
+        if kind == LOOKUP:
+            lookup(c[2], ctxs[c[1]])
+        elif kind == STORE:
+            store(c[2], ctxs[c[1]])
+        elif kind == STEP:
+            step(end(c[1], ()))
+        elif kind == COMPLETE:
+            complete(c[2], ctxs[c[1]], c[3])
+        elif kind == LOAD:
+            load(c[2], ctxs[c[1]])
+        elif kind == UNLOAD:
+            unload(c[2], ctxs[c[1]])
+        elif kind == NEW:
+            new(ctxs[c[1]])
+        else:
+            finish(ctxs[c[1]])
+    return time.perf_counter() - t0
 
 
-def _timer_cost(n: int = 200_000) -> float:
-    """ns that one timed call adds around the call itself (two clock reads and the bookkeeping)."""
-    pc = time.perf_counter_ns
-    acc = [0]
-    samples = []
-    for _ in range(5):
-        t0 = pc()
-        for _ in range(n):
-            t = pc()
-            acc[0] += pc() - t
-        samples.append((pc() - t0) / n)
-    loop = []
-    for _ in range(5):
-        t0 = pc()
-        for _ in range(n):
-            pass
-        loop.append((pc() - t0) / n)
-    # Only the part inside the measured interval counts: one clock read, about half the pair.
-    return max(0.0, (min(samples) - min(loop)) / 2)
-
-
-def replay_by_kind(calls: list[Call], timer_ns: float) -> dict[int, tuple[int, float]]:
-    """Per call kind: (calls, seconds), each call timed on its own, the timer's cost subtracted."""
-    pc = time.perf_counter_ns
-    total = [0] * len(KIND_NAMES)
-    count = [0] * len(KIND_NAMES)
+def time_ours(calls: list[tuple], keys: list[list], policy: str, capacity: int) -> float:
+    s = CPUStore(capacity + 1, policy)
+    ctxs = _our_contexts(keys)
+    new, lookup, load, unload = s.on_new_request, s.lookup, s.prepare_load, s.complete_load
+    store, complete, finish, step = s.prepare_store, s.complete_store, s.on_request_finished, s.on_schedule_end
     gc.collect()
-    gc.freeze()
-    for kind, fn, args in calls:
-        t = pc()
-        fn(*args)
-        total[kind] += pc() - t
-        count[kind] += 1
-    gc.unfreeze()
-    return {k: (count[k], max(0.0, total[k] - timer_ns * count[k]) / 1e9) for k in range(len(KIND_NAMES)) if count[k]}
-
-
-def keys_per_call(calls: list[Call]) -> dict[int, float]:
-    n: dict[int, list[int]] = {}
-    for kind, _fn, args in calls:
-        n.setdefault(kind, []).append(len(args[0]) if kind not in (LOOKUP, FINISH) else 1)
-    return {k: statistics.fmean(v) for k, v in n.items()}
-
-
-IMPLS = ("vllm", "ours", "ours_prefix")
-
-
-def make_calls(rec: Recording, impl: str, status: str) -> list[Call]:
-    if impl == "vllm":
-        return vllm_calls(rec, new_vllm(rec, status))
-    return ours_calls(rec, new_ours(rec), prefix=impl == "ours_prefix")
-
-
-def time_replays(rec: Recording, status: str, repeat: int) -> dict[str, float]:
-    """Best whole-replay seconds per implementation, passes alternating between them."""
-    best = dict.fromkeys(IMPLS, float("inf"))
-    for _ in range(repeat):
-        for impl in IMPLS:
-            best[impl] = min(best[impl], replay(make_calls(rec, impl, status)))
-    return best
-
-
-def time_kinds(rec: Recording, status: str, repeat: int) -> tuple[dict[str, dict[int, tuple[int, float]]], float]:
-    """Per implementation and call kind, (calls, best seconds over ``repeat`` passes); and the timer cost."""
-    timer_ns = _timer_cost()
-    best: dict[str, dict[int, tuple[int, float]]] = {impl: {} for impl in IMPLS}
-    for _ in range(repeat):
-        for impl in IMPLS:
-            for kind, (n, t) in replay_by_kind(make_calls(rec, impl, status), timer_ns).items():
-                if kind not in best[impl] or t < best[impl][kind][1]:
-                    best[impl][kind] = (n, t)
-    return best, timer_ns
-
-
-def build(a: argparse.Namespace, running: int) -> tuple[Recording, dict[str, int]]:
     t0 = time.perf_counter()
-    trace = make_store_trace(a.requests, seed=a.seed)
-    rec = record(trace, a.capacity, seed=a.seed + 1, touches=a.touches, running=running)
-    counts = check(rec, a.status)
-    print(
-        f"trace: {a.requests} requests, {running} running, capacity {a.capacity}, touches={a.touches}: "
-        f"{len(rec.ops)} recorded ops ({time.perf_counter() - t0:.1f} s to build, record and check)"
-    )
-    print(
-        "decisions identical, call for call: {calls} calls ({lookups} per-key lookups, and the same prefixes "
-        "by lookup_prefix; {loads} loads; {stores} stores, {refused} of them refused; {evicted} evicted keys, in "
-        "order); resident keys, slots, states and LRU order equal at {checkpoints} checkpoints and at the end "
-        "({resident} resident)".format(**counts)
-    )
-    return rec, counts
+    for c in calls:
+        kind = c[0]
+        if kind == LOOKUP:
+            lookup(c[2], ctxs[c[1]])
+        elif kind == STORE:
+            store(c[2], ctxs[c[1]])
+        elif kind == STEP:
+            step(c[1], ())
+        elif kind == COMPLETE:
+            complete(c[2], c[3], ctxs[c[1]])
+        elif kind == LOAD:
+            load(c[2], ctxs[c[1]])
+        elif kind == UNLOAD:
+            unload(c[2], ctxs[c[1]])
+        elif kind == NEW:
+            new(ctxs[c[1]])
+        else:
+            finish(ctxs[c[1]])
+    return time.perf_counter() - t0
 
 
-def _us(t: tuple[int, float] | None) -> float | None:
-    return t[1] / t[0] * 1e6 if t else None
-
-
-def _fmt(x: float | None) -> str:
-    return "—" if x is None else f"{x:.3f}"
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=20_000)
-    ap.add_argument("--capacity", type=int, default=CAPACITY)
-    ap.add_argument("--running", type=int, default=MAX_RUNNING, help="requests running at once")
-    ap.add_argument("--sweep", help="comma-separated running counts: whole-replay ratios only, one trace each")
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--status", choices=["dataclass", "ctypes"], default="dataclass", help="vLLM-structure record")
-    ap.add_argument(
-        "--touches",
-        choices=["hits", "connector"],
-        default="hits",
-        help="touch the loaded hits only, or also each prompt and each computed prefix, as vLLM's connector does",
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path)
-    ap.add_argument(
-        "--count",
-        choices=["none", *IMPLS],
-        help="build the trace, then replay one store once, untimed and unchecked (for instruction counters: "
-        "run it under valgrind --tool=cachegrind and subtract the 'none' run)",
-    )
-    a = ap.parse_args()
-    out: dict = {"args": {k: str(v) for k, v in vars(a).items()}}
-
-    if a.count:
-        rec = record(make_store_trace(a.requests, seed=a.seed), a.capacity, a.seed + 1, a.touches, a.running)
-        calls = make_calls(rec, "vllm" if a.count == "none" else a.count, a.status)
-        if a.count != "none":
-            run(calls)
-        return
-
-    if a.sweep:
-        rows = []
-        for running in (int(x) for x in a.sweep.split(",")):
-            rec, counts = build(a, running)
-            best = time_replays(rec, a.status, a.repeat)
-            rows.append((running, counts, best))
-        print(f"\nWhole replay, best of {a.repeat}, by requests running at once:\n")
-        print("| running | stores refused | vLLM-structure s | tiered_kv s | ratio | with `lookup_prefix` |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-        for running, counts, best in rows:
-            v, o, p = best["vllm"], best["ours"], best["ours_prefix"]
-            print(f"| {running} | {counts['refused']} | {v:.3f} | {o:.3f} | {v / o:.2f}× | {v / p:.2f}× |")
-        out["sweep"] = [{"running": r, "check": c, "replay_s": b} for r, c, b in rows]
-    else:
-        rec, counts = build(a, a.running)
-        best = time_replays(rec, a.status, a.repeat)
-        kinds, timer_ns = time_kinds(rec, a.status, a.repeat)
-        v, o, p = best["vllm"], best["ours"], best["ours_prefix"]
-        print(f"\nWhole replay, best of {a.repeat} (vLLM-structure status record: {a.status}):\n")
-        print("| store | seconds | ratio |")
-        print("| --- | ---: | ---: |")
-        print(f"| vLLM-structure (`_vllm_style_store.py`) | {v:.3f} | 1.00× |")
-        print(f"| tiered_kv `CPUStore`, per-key lookups | {o:.3f} | {v / o:.2f}× |")
-        print(f"| tiered_kv `CPUStore`, `lookup_prefix` | {p:.3f} | {v / p:.2f}× |")
-        print(
-            f"\nPer call kind (each call timed alone, best of {a.repeat} passes; "
-            f"{timer_ns:.0f} ns of timer cost subtracted per call):\n"
-        )
-        print("| call | calls | keys/call | vLLM-structure µs/call | tiered_kv µs/call | ratio |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        kpc = {
-            **keys_per_call(make_calls(rec, "ours_prefix", a.status)),
-            **keys_per_call(make_calls(rec, "vllm", a.status)),
-        }
-        rows = {}
-        for kind, name in enumerate(KIND_NAMES):
-            vk = kinds["vllm"].get(kind)
-            ok = kinds["ours"].get(kind) or kinds["ours_prefix"].get(kind)
-            if vk is None and ok is None:
-                continue
-            vu, ou = _us(vk), _us(ok)
-            ratio = f"{vu / ou:.2f}×" if vu and ou else "—"
-            n = (vk or ok)[0]  # type: ignore[index]
-            rows[name] = {"calls": n, "keys_per_call": kpc[kind], "vllm_us": vu, "ours_us": ou}
-            ours = _fmt(ou) if ou is not None else "— (no call)"
-            print(f"| {name} | {n} | {kpc[kind]:.1f} | {_fmt(vu)} | {ours} | {ratio} |")
-        per_req = 1e6 / rec.num_requests
-        adm_v = kinds["vllm"][LOOKUP][1] * per_req
-        adm_p = kinds["ours_prefix"][LOOKUP_PREFIX][1] * per_req
-        fin_v = (kinds["vllm"][COMPLETE][1] + kinds["vllm"][FINISH][1]) * per_req
-        fin_o = kinds["ours"][COMPLETE][1] * per_req
-        print(
-            f"\nPer request: lookups at admission {adm_v:.2f} µs (vLLM-structure, per-key) vs {adm_p:.2f} µs "
-            f"(ours, lookup_prefix): {adm_v / adm_p:.2f}×; finish (its complete_store calls and the hook) "
-            f"{fin_v:.2f} µs vs {fin_o:.2f} µs: {fin_v / fin_o:.2f}×."
-        )
-        out.update(check=counts, replay_s=best, by_kind=rows, timer_ns=timer_ns)
-    if a.json:
-        a.json.write_text(json.dumps(out, indent=2))
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=20_000)
+    p.add_argument("--running", type=int, default=64)
+    p.add_argument("--capacity", type=int, default=4096)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--policy", choices=["lru", "arc"], action="append")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    v = vllm_ref_offload.load()
+    print(f"CPU store vs vLLM 0.33.0 CPUOffloadingManager: {a.requests} requests, {a.running} running, "
+          f"{a.capacity} blocks, best of {a.repeat}")  # fmt: skip
+    print("| policy | calls | evictions | lookup hits | vLLM s | tiered_kv s | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for policy in a.policy or ["lru", "arc"]:
+        calls, keys = make_trace(v, policy, a.capacity, a.requests, a.running, a.seed)
+        counts = check(calls, keys, policy, a.capacity)
+        theirs, ours = [], []
+        for _ in range(a.repeat):
+            theirs.append(time_vllm(v, calls, keys, policy, a.capacity))
+            ours.append(time_ours(calls, keys, policy, a.capacity))
+        t, o = min(theirs), min(ours)
+        print(f"| {policy} | {counts['calls']} | {counts['evicted']} | {counts['hits']} | {t:.3f} | {o:.3f} "
+              f"| {t / o:.2f}x |")  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

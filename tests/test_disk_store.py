@@ -8,10 +8,10 @@ import pytest
 from tierutil import NS, OTHER_NS, SPEC, host, key, plan
 
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, StorageError
-from tiered_kv.manager.store import LookupResult, StoreEvent
 from tiered_kv.tiers.block_format import MAX_HEADER_BYTES, BlockHeader
 from tiered_kv.tiers.disk_io import DiskIO
 from tiered_kv.tiers.disk_store import DiskStore
+from tiered_kv.tiers.store import LookupResult, StoreEvent
 
 SLOT = 4096  # a 512-byte block plus the largest header, rounded up to the allocation unit
 
@@ -67,6 +67,7 @@ def test_files_follow_entries_eviction_and_remove_delete_them(tmp_path):
         assert store.take_events() == [
             StoreEvent([key(1), key(2), key(3)], "DISK", False),
             StoreEvent([key(2)], "DISK", True),
+            StoreEvent([key(4)], "DISK", True, True),  # the failed store: its slot released, metadata only
             StoreEvent([key(3)], "DISK", True),
         ]
         store.check_invariants()

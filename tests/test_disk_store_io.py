@@ -9,9 +9,9 @@ import pytest
 from tierutil import NS, block_bytes, host, key, plan
 
 from tiered_kv.errors import PlanError, StorageError
-from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import KVSpec
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.disk_io import DiskIO
 from tiered_kv.tiers.disk_store import DiskStore
 from tiered_kv.tiers.io_handle import BlockOutcome

@@ -11,11 +11,11 @@ import pytest
 from tierutil import NS, OTHER_NS, block_bytes, host, key, plan
 
 from tiered_kv.errors import BlockStateError, InvalidArgumentError
-from tiered_kv.manager.store import LookupResult, StoreStats
 from tiered_kv.tiers.io_handle import BlockOutcome
 from tiered_kv.tiers.redis_health import RedisHealth
 from tiered_kv.tiers.redis_io import RedisIO
 from tiered_kv.tiers.redis_store import RedisStore
+from tiered_kv.tiers.store import LookupResult, StoreStats
 
 fakeredis = pytest.importorskip("fakeredis")  # in the test extra; absent on bare GPU machines
 

@@ -17,11 +17,11 @@ import time
 import pytest
 from tierutil import NS, RedisServer, block_bytes, host, key, need_redis_server, plan
 
-from tiered_kv.manager.store import LookupResult
 from tiered_kv.tiers.io_handle import BlockOutcome
 from tiered_kv.tiers.redis_health import RedisHealth
 from tiered_kv.tiers.redis_io import RedisIO
 from tiered_kv.tiers.redis_store import RedisStore, connect
+from tiered_kv.tiers.store import LookupResult
 
 PEER = os.path.join(os.path.dirname(__file__), "redis_peer.py")
 OK, PRESENT, BUSY, ERROR = BlockOutcome.OK, BlockOutcome.PRESENT, BlockOutcome.BUSY, BlockOutcome.ERROR

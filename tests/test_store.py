@@ -11,8 +11,8 @@ import pytest
 
 import tiered_kv
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, TieredKVError
-from tiered_kv.manager.cpu_store import CPUStore
-from tiered_kv.manager.store import (
+from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.store import (
     LoadStoreSpec,
     LookupResult,
     PrepareStoreOutput,
@@ -129,14 +129,27 @@ def test_a_refused_store_evicts_nothing_even_when_some_room_could_be_made():
     assert snapshot(store) == before and store.take_events() == []
 
 
-def test_complete_store_success_false_frees_slots_in_key_order_without_events():
+def test_complete_store_success_false_frees_slots_in_key_order_with_a_metadata_only_event():
     store = CPUStore(5, enable_events=True)
     store.prepare_store(["a", "b", "c"])
     store.complete_store(["a"])
     store.complete_store(["c", "b", "a", "zz"], success=False)  # a is ready and zz unknown: ignored
     assert keys_of(store) == ["a"] and store.free_block_ids() == [4, 2, 3]
-    assert store.take_events() == [StoreEvent(["a"], "CPU", False)]
+    # vLLM 0.33: a failed store releases its slots with a removed, metadata-only event (no public eviction).
+    assert store.take_events() == [StoreEvent(["a"], "CPU", False), StoreEvent(["c", "b"], "CPU", True, True)]
     assert store.prepare_store(["d", "e", "f"]) == out("def", [4, 2, 3])
+
+
+def test_a_failed_store_event_drops_keys_stored_again_before_the_events_are_taken():
+    store = CPUStore(5, enable_events=True)
+    store.prepare_store(["a", "b"])
+    store.complete_store(["a", "b"], success=False)
+    store.prepare_store(["b"])  # a retry of b before anyone drained the events
+    assert store.take_events() == [StoreEvent(["a"], "CPU", True, True)]
+    store.complete_store(["b"], success=False)
+    store.prepare_store(["b"])
+    assert store.take_events() == []  # the only key of the cleanup event is resident again
+    assert store.take_events() == []
 
 
 def test_complete_store_ignores_keys_that_are_not_pending():
@@ -212,13 +225,12 @@ def test_arc_store_promotes_on_touch_and_evicts_recent_first():
     store.check_invariants()
 
 
-# ------------------------------------------------- what eviction sets aside
-def test_eviction_sets_busy_keys_aside_and_still_takes_the_least_recent_evictable():
+# ------------------------------------------------- what eviction passes over
+def test_eviction_passes_over_busy_keys_and_still_takes_the_least_recent_evictable():
     store = stored(9, "abcdefgh")  # full: slots 1..8
     store.prepare_load(["a", "b", "c"])  # the three oldest are pinned
     assert store.prepare_store(["x"]) == out("x", [4], evicted="d")
-    assert store.policy.num_parked == 3  # a, b, c: the next eviction does not walk them again
-    assert keys_of(store) == list("abcefghx")  # ... and the recency order is unchanged
+    assert keys_of(store) == list("abcefghx")  # a, b, c keep their age: recency is logical
     store.complete_load(["b"])  # b can go again, and it is still older than e
     assert store.prepare_store(["y"]) == out("y", [2], evicted="b")
     store.touch(["a"])  # a used: most recent, wherever it was kept
@@ -234,7 +246,6 @@ def test_protected_keys_are_skipped_and_then_evicted_in_their_turn():
     store.prepare_load(["a"])
     # a pinned, b protected by this very call: both passed over, c goes.
     assert store.prepare_store(["b", "x"]) == out("x", [3], evicted="c")
-    assert store.policy.num_parked == 2
     assert store.prepare_store(["y"]) == out("y", [2], evicted="b")  # b is now the oldest evictable key
     store.complete_load(["a"])
     store.complete_store(["x", "y"])
@@ -253,16 +264,6 @@ def test_a_refused_eviction_over_set_aside_keys_changes_nothing():
     assert snapshot(store) == before
     store.check_invariants()
     assert store.prepare_store(["c", "y", "z"]) == out("yz", [4, 1], evicted="ad")  # the last freed first
-
-
-def test_the_policys_own_evict_walks_keys_the_store_set_aside():
-    store = stored(5, "abcd")
-    store.prepare_load(["a"])
-    store.prepare_store(["x"])
-    policy = store.policy  # from here on the policy is used alone (the store is left behind)
-    assert policy.order() == ["a", "c", "d", "x"] and policy.num_parked == 1
-    assert policy.evict(2, lambda key: key != "c") == ["a", "d"]
-    assert policy.order() == ["c", "x"]
 
 
 # ------------------------------------------------------ queries and helpers
@@ -307,11 +308,14 @@ def test_key_set_is_the_set_of_keys_once_they_pass_the_checks():
         (["a", None], r"keys\[1\] must be a hashable id"),
         ([["a"]], r"keys\[0\] must be a hashable id"),
         ([1, "a", 1], r"twice \(positions 0 and 2\)"),
-        ({"a"}, "must be a list or tuple"),
-        ("ab", "must be a list or tuple"),
+        ("ab", "must be a collection of keys"),
+        ({"a": 1}, "must be a collection of keys"),
+        (iter(["a"]), "must be a collection of keys"),
     ]:
         with pytest.raises(InvalidArgumentError, match=message):
             key_set("keys", bad)
+    # vLLM 0.33's connector completes stores with a set: any collection of keys is accepted.
+    assert key_set("keys", {"a", 1}) == {"a", 1} and key_set("keys", frozenset([b"x"])) == {b"x"}
 
 
 def test_fast_built_results_are_the_same_frozen_records():
@@ -327,11 +331,11 @@ def test_fast_built_results_are_the_same_frozen_records():
 
 
 def test_store_modules_import_only_the_standard_library():
-    root = pathlib.Path(tiered_kv.__file__).parent / "manager"
-    policies = ("store_policies", "store_policy", "store_lru", "store_arc")
-    allowed = {"tiered_kv.checks", "tiered_kv.errors", "tiered_kv.manager.store"}
-    allowed |= {f"tiered_kv.manager.{name}" for name in policies}
-    for name in ("store.py", "cpu_store.py", *(f"{p}.py" for p in policies)):
+    root = pathlib.Path(tiered_kv.__file__).parent / "tiers"
+    policies = ("base", "lru", "arc", "factory")
+    allowed = {"tiered_kv.checks", "tiered_kv.errors", "tiered_kv.tiers.store", "tiered_kv.tiers.request_access"}
+    allowed |= {f"tiered_kv.tiers.policies.{name}" for name in policies}
+    for name in ("store.py", "cpu_store.py", "request_access.py", *(f"policies/{p}.py" for p in policies)):
         for node in ast.walk(ast.parse((root / name).read_text())):
             if isinstance(node, ast.ImportFrom):
                 mods = [node.module or ""]
@@ -364,20 +368,17 @@ CASES = [
     ("contains unhashable", InvalidArgumentError, "key must be a hashable id", lambda s: s.contains({})),
     ("is_ready bool", InvalidArgumentError, "not a bool", lambda s: s.is_ready(False)),
     ("is_ready unhashable", InvalidArgumentError, "key must be a hashable id", lambda s: s.is_ready(["a"])),
-    ("room_for a set", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.room_for({"a"})),
     ("room_for twice a key", InvalidArgumentError, "twice", lambda s: s.room_for(["a", "a"])),
     ("room_for None key", InvalidArgumentError, r"keys\[0\]", lambda s: s.room_for([None])),
-    ("missing in a set", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.missing({"a"})),
-    ("missing in a str", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.missing("ab")),
+    ("missing in a str", InvalidArgumentError, "keys must be a collection of keys", lambda s: s.missing("ab")),
     ("missing None key", InvalidArgumentError, r"keys\[1\]", lambda s: s.missing(["a", None])),
     ("missing unhashable", InvalidArgumentError, r"keys\[0\] must be a hashable", lambda s: s.missing([{}])),
     ("store one unhashable", InvalidArgumentError, r"keys\[0\] must be a hashable", lambda s: s.prepare_store([{}])),
     ("store one None", InvalidArgumentError, r"keys\[0\]", lambda s: s.prepare_store((None,))),
     ("store one True", InvalidArgumentError, "not a bool", lambda s: s.prepare_store([True])),
-    ("prefix of a str", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.lookup_prefix("ab")),
-    ("prefix of bytes", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.lookup_prefix(b"ab")),
-    ("prefix of a set", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.lookup_prefix({"a"})),
-    ("prefix of an int", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.lookup_prefix(3)),
+    ("prefix of a str", InvalidArgumentError, "keys must be a collection of keys", lambda s: s.lookup_prefix("ab")),
+    ("prefix of bytes", InvalidArgumentError, "keys must be a collection of keys", lambda s: s.lookup_prefix(b"ab")),
+    ("prefix of an int", InvalidArgumentError, "keys must be a collection of keys", lambda s: s.lookup_prefix(3)),
     (
         "prefix with None",
         InvalidArgumentError,
@@ -400,20 +401,20 @@ CASES = [
     (
         "load a generator",
         InvalidArgumentError,
-        "keys must be a list or tuple",
+        "keys must be a collection of keys",
         lambda s: s.prepare_load(k for k in "ab"),
     ),
     ("load twice a key", InvalidArgumentError, "twice", lambda s: s.prepare_load(["a", "a"])),
     ("load unhashable", InvalidArgumentError, r"keys\[0\] must be a hashable", lambda s: s.prepare_load([{}])),
-    ("touch a str", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.touch("ab")),
+    ("touch a str", InvalidArgumentError, "keys must be a collection of keys", lambda s: s.touch("ab")),
     ("touch None", InvalidArgumentError, r"keys\[0\]", lambda s: s.touch([None])),
     ("touch twice a key", InvalidArgumentError, "twice", lambda s: s.touch(["b", "a", "b"])),
     ("unload unpinned", BlockStateError, r"key 'a'.*not being loaded", lambda s: s.complete_load(["c", "a"])),
     ("unload absent", BlockStateError, "not stored", lambda s: s.complete_load(["c", "zz"])),
     ("unload pending", BlockStateError, "in flight", lambda s: s.complete_load(["d"])),
     ("unload twice a key", InvalidArgumentError, "twice", lambda s: s.complete_load(["c", "c"])),
-    ("unload None", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.complete_load(None)),
-    ("store None", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.prepare_store(None)),
+    ("unload None", InvalidArgumentError, "keys must be a collection of keys", lambda s: s.complete_load(None)),
+    ("store None", InvalidArgumentError, "keys must be a collection of keys", lambda s: s.prepare_store(None)),
     ("store None key", InvalidArgumentError, r"keys\[1\]", lambda s: s.prepare_store(["x", None])),
     ("store bool key", InvalidArgumentError, "not a bool", lambda s: s.prepare_store([False])),
     ("store bool after 1", InvalidArgumentError, r"keys\[1\].*not a bool", lambda s: s.prepare_store([1, True])),
@@ -431,14 +432,13 @@ CASES = [
         "success must be True or False",
         lambda s: s.complete_store(["d"], success=None),
     ),
-    ("complete a set", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.complete_store({"d"})),
     ("complete twice a key", InvalidArgumentError, "twice", lambda s: s.complete_store(["d", "d"])),
     ("complete None key", InvalidArgumentError, r"keys\[0\]", lambda s: s.complete_store([None], False)),
     ("remove pinned", BlockStateError, r"1 load\(s\) in flight", lambda s: s.remove(["a", "c"])),
     ("remove pending", BlockStateError, "in flight", lambda s: s.remove(["b", "d"])),
     ("remove absent", BlockStateError, "not stored", lambda s: s.remove(["a", "zz"])),
     ("remove twice a key", InvalidArgumentError, "twice", lambda s: s.remove(["a", "a"])),
-    ("remove a dict", InvalidArgumentError, "keys must be a list or tuple", lambda s: s.remove({"a": 1})),
+    ("remove a dict", InvalidArgumentError, "keys must be a collection of keys", lambda s: s.remove({"a": 1})),
 ]
 
 

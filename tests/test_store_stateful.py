@@ -9,9 +9,8 @@ error) must leave the store exactly as it was.
 
 A second LRU machine uses a larger store and a larger key pool, with
 single-key stores as in decoding, so that busy (pending or pinned) keys often
-sit at the front of the recency order when an eviction comes: the store sets
-those aside rather than walking them again, and must still pick exactly the
-model's victims.
+sit at the front of the recency order when an eviction comes: the store must
+pass over them and still pick exactly the model's victims (vLLM 0.33's LRU ranks them in a heap that skips busy keys).
 
 The ARC machine drives the same traffic through an ARC store.  ARC picks other
 victims, so the model adopts the store's victims after checking that they were
@@ -29,8 +28,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tiered_kv.errors import BlockStateError, InvalidArgumentError
-from tiered_kv.manager.cpu_store import CPUStore
-from tiered_kv.manager.store import LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEvent, StoreStats
+from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.store import LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEvent, StoreStats
 
 NUM_BLOCKS = 5  # four usable slots, nine keys: stores often have to evict
 KEYS = [0, 1, 2, 3, 4, 5, 6, b"h7", b"h8"]
@@ -129,8 +128,21 @@ class Model:
                 self.ref[k] = 0
             else:
                 self.drop(k)
-        if success and pending:
-            self.events.append(StoreEvent(pending, "CPU", False))
+        if pending:  # a failed store: removed, metadata only (vLLM 0.33)
+            self.events.append(StoreEvent(pending, "CPU", not success, not success))
+
+    def take_events(self) -> list[StoreEvent]:
+        """The queued events; a failed store's keys that are resident again by now are left out."""
+        out = []
+        for e in self.events:
+            if e.metadata_only:
+                keys = [k for k in e.keys if k not in self.slot]
+                if not keys:
+                    continue
+                e = StoreEvent(keys, e.medium, True, True)
+            out.append(e)
+        self.events = []
+        return out
 
     def remove(self, keys) -> bool:
         if any(self.ref.get(k, -1) != 0 for k in keys):
@@ -208,8 +220,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def touch(self, data):
-        # Busy keys (pending or pinned) are the ones an LRU eviction sets aside: touching them
-        # must bring them back to the most recent end from wherever the store keeps them.
+        # Busy keys (pending or pinned) are the ones an LRU eviction passes over: touching them
+        # must make them the most recent all the same (recency is logical).
         keys = self.draw_keys(data, [k for k in self.KEYS if self.model.ref.get(k, 0) != 0])
         self.store.touch(keys)
         self.model.touch(keys)
@@ -222,7 +234,15 @@ class StoreMachine(RuleBasedStateMachine):
         got = self.store.prepare_store(keys)
         if got is None:
             assert victims is None and self.model.need(keys) > 0
-            assert snapshot(self.store) == before
+            after = snapshot(self.store)
+            # No entry, slot or counter changes.  As in vLLM 0.33 the offer is still observed first:
+            # ARC may learn from a ghost among the keys (its target, its ghosts' order), nothing else.
+            assert after[:-1] == before[:-1]
+            if self.POLICY == "arc":
+                (t1, t2, b1, b2, _), (t1_, t2_, b1_, b2_, _) = before[-1], after[-1]
+                assert (t1, t2, set(b1), set(b2)) == (t1_, t2_, set(b1_), set(b2_))
+            else:
+                assert after[-1] == before[-1]
             return
         if self.POLICY != "lru":
             victims = got.evicted_keys
@@ -249,7 +269,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data(), verb=st.sampled_from(["prepare_load", "complete_load", "prepare_store", "remove", "touch"]))
     def bad_keys(self, data, verb):
         keys = data.draw(key_lists(self.KEYS).filter(bool))
-        bad = data.draw(st.sampled_from([[*keys, keys[0]], [*keys, None], (*keys[:1], []), set(keys)]))
+        bad = data.draw(st.sampled_from([[*keys, keys[0]], [*keys, None], (*keys[:1], []), dict.fromkeys(keys)]))
         self.refused(InvalidArgumentError, lambda: getattr(self.store, verb)(bad))
 
     @invariant()
@@ -265,8 +285,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert store.num_pinned == sum(r > 0 for r in model.ref.values())
         assert store.num_pending == sum(r < 0 for r in model.ref.values())
         assert store.stats == StoreStats(model.queries, model.hits, model.pending_hits, model.evictions)
-        assert store.take_events() == model.events
-        model.events = []
+        assert store.take_events() == model.take_events()
 
 
 class BusyLRUStoreMachine(StoreMachine):

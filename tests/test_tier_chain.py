@@ -7,8 +7,8 @@ import torch
 from tierutil import NS, block_bytes, host, key
 
 from tiered_kv.errors import BlockStateError, InvalidArgumentError
-from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.tiers.chain import ChainLookup, TierChain, TierPolicy
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.disk_io import DiskIO
 from tiered_kv.tiers.disk_store import DiskStore
 from tiered_kv.tiers.io_handle import BlockOutcome

@@ -25,7 +25,7 @@ from tiered_kv.core.request import Request
 from tiered_kv.engine.engine import Engine
 from tiered_kv.errors import InvalidArgumentError, StorageError
 from tiered_kv.manager.cost_model import TierLink
-from tiered_kv.manager.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.stack import TierStack
 
 _rng = random.Random(4)

@@ -38,6 +38,10 @@ class UnknownRequestError(TieredKVError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class RequestStateError(TieredKVError, ValueError):
+    """A store's request hook was called out of order (finished before new, a key position moved back)."""
+
+
 class InvalidTransitionError(TieredKVError, ValueError):
     """A request state transition that is impossible from the current state."""
 

@@ -22,9 +22,9 @@ import torch
 from tiered_kv.core.request import Request
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, TieredKVError
-from tiered_kv.manager.chain_api import check_links
 from tiered_kv.manager.cost_model import CostModel, TierLink
 from tiered_kv.manager.metrics import MetricsSnapshot
+from tiered_kv.manager.tier_checks import check_links
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
 from tiered_kv.storage.kv_storage import KVStorage

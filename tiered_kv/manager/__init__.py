@@ -1,8 +1,11 @@
-"""Layer 2: where KV lives.  The tier manager, the CPU store, copies in flight, pricing and victim policies."""
+"""Layer 2: where KV lives.  The tier manager, copies in flight, pricing and victim policies.
+
+The CPU store and the stores below it live beside the manager in :mod:`tiered_kv.tiers`; their
+names are re-exported here for the manager's users.
+"""
 
 from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.cost_model import DEFAULT_TIER_LINKS, CostModel, TierLink
-from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.metrics import LowerTierCounters, MetricsSnapshot, TierCounters
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
 from tiered_kv.manager.policies import (
@@ -18,8 +21,9 @@ from tiered_kv.manager.policies import (
 )
 from tiered_kv.manager.pricing import LoadQuote, Quote
 from tiered_kv.manager.states import PreemptMode, Residency
-from tiered_kv.manager.store import BlockStore, LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEvent
 from tiered_kv.manager.tier_manager import TierManager
+from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.store import BlockStore, LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEvent
 from tiered_kv.transfer.plan import PlanKind
 
 __all__ = [

@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
-from tiered_kv.manager.chain_api import StoreChain, TierMove
-from tiered_kv.manager.cpu_store import CPUStore
-from tiered_kv.manager.store import Key
 from tiered_kv.manager.transfers import Transfer
+from tiered_kv.tiers.chain import Move, TierChain
+from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.plan import PlanKind
 
 RETRY_POLLS = 64
@@ -42,7 +42,7 @@ class Hop:
         transit: The blocks were staged only to pass through the CPU tier (drop them there after).
     """
 
-    move: TierMove
+    move: Move
     job: object = None  # a lower_tiers.Job
     offset: int = 0
     origin: int = 0
@@ -56,7 +56,7 @@ Submit = Callable[[Hop, PlanKind, Hashable | None, bool], Transfer]
 class Demoter:
     """Decides what goes down the chain, and starts it; :meth:`settled` continues two-step demotions."""
 
-    def __init__(self, chain: StoreChain, store: CPUStore, submit: Submit) -> None:
+    def __init__(self, chain: TierChain, store: CPUStore, submit: Submit) -> None:
         self.chain = chain
         self.store = store
         self.submit = submit
@@ -112,7 +112,7 @@ class Demoter:
         """The first (oldest) ``keys`` that ``tier`` has room for now: a store is all or nothing."""
         return keys[: max(self.chain.stores[tier].room_for(keys), 0)]
 
-    def _start(self, move: TierMove | None, origin: int, then: int | None = None, transit: bool = False) -> None:
+    def _start(self, move: Move | None, origin: int, then: int | None = None, transit: bool = False) -> None:
         if move is None:  # no room now (or nothing fitted): write-back asks again next poll
             return
         if not move.keys:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 
 from tiered_kv.core.kv_cache_manager import KVCacheManager
-from tiered_kv.manager.store import BlockStore, Key
 from tiered_kv.manager.transfers import Transfers
+from tiered_kv.tiers.store import BlockStore, Key
 from tiered_kv.transfer.plan import PlanKind
 
 

@@ -36,17 +36,18 @@ from dataclasses import dataclass, field
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.request import Request
 from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE, BoundedLog
-from tiered_kv.manager.chain_api import TierMove, check_tiers
 from tiered_kv.manager.cost_model import CostModel
-from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.demotion import Demoter, Hop
 from tiered_kv.manager.metrics import LowerTierCounters
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import LoadDecision
 from tiered_kv.manager.pricing import LoadQuote, price_load
-from tiered_kv.manager.store import Key
 from tiered_kv.manager.swap import PrivateKey
+from tiered_kv.manager.tier_checks import check_tiers
 from tiered_kv.manager.transfers import Transfer, Transfers
+from tiered_kv.tiers.chain import Move
+from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.plan import PlanKind
 
 
@@ -74,7 +75,7 @@ class Reserved:
     found: Found
     keys: list[Key]
     pinned: list[Key]
-    moves: list[tuple[int, TierMove]]  # (position of the run's first block, its move)
+    moves: list[tuple[int, Move]]  # (position of the run's first block, its move)
 
 
 @dataclass(slots=True, eq=False)
@@ -163,7 +164,7 @@ class LowerTiers:
         on_cpu = [k for k, t in zip(keys, tiers, strict=True) if t == 0]
         if on_cpu:
             self.store.prepare_load(on_cpu)  # before any staging, which could otherwise evict them
-        moves: list[tuple[int, TierMove]] = []
+        moves: list[tuple[int, Move]] = []
         n, i = len(keys), 0
         while i < n:
             j = i
@@ -260,7 +261,7 @@ class LowerTiers:
             self.store.complete_load(job.pinned)  # the GPU copy pins what it reads; the rest stays cached
         return t
 
-    def _count_move(self, move: TierMove, landed: list[Key]) -> None:
+    def _count_move(self, move: Move, landed: list[Key]) -> None:
         failed = len(move.keys) - len(landed)
         if move.dst == 0:
             c = self.counters[self.media[move.src]]

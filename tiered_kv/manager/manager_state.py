@@ -21,7 +21,6 @@ from tiered_kv.core.request import Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
 from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.cost_model import CostModel
-from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.lower_tiers import LowerTiers
 from tiered_kv.manager.metrics import TierCounters
 from tiered_kv.manager.offload import Offloader
@@ -30,6 +29,7 @@ from tiered_kv.manager.preempt_bounds import PreemptBounds
 from tiered_kv.manager.states import Residency
 from tiered_kv.manager.swap import SwappedKV, Swapper
 from tiered_kv.manager.transfers import Transfers
+from tiered_kv.tiers.cpu_store import CPUStore
 
 
 @dataclass(slots=True)

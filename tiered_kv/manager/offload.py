@@ -14,14 +14,15 @@ reads.  Either way nothing a copy touches changes hands until it settles.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
-from tiered_kv.manager.store import BlockStore, Key
 from tiered_kv.manager.transfers import Transfer, Transfers
+from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.store import Key, RequestContext
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind
 
 
@@ -42,11 +43,14 @@ class Offloader:
     def __init__(
         self,
         gpu: KVCacheManager,
-        store: BlockStore,
+        store: CPUStore,
         transfers: Transfers,
         free_table: Callable[[Request], None] | None = None,
+        contexts: Mapping[Hashable, RequestContext] | None = None,
     ) -> None:
         self.gpu = gpu
+        #: The store's context of each open request (the manager's); stores and loads of a request are its uses.
+        self.contexts: Mapping[Hashable, RequestContext] = contexts if contexts is not None else {}
         self.store = store
         self.transfers = transfers
         #: Frees a request's GPU table (default ``gpu.free``; the manager's also reports the release).
@@ -56,7 +60,8 @@ class Offloader:
     def _store(
         self, blocks: list[KVCacheBlock], keys: list[Key], rid: object, in_place: bool, num_layers: int = 0
     ) -> Transfer | None:
-        prep = self.store.prepare_store(keys)
+        ctx = self.contexts.get(rid) if rid is not None else None
+        prep = self.store.prepare_store(keys, ctx) if ctx is not None else self.store.prepare_store(keys)
         if prep is None:
             self.refused += 1
             return None
@@ -81,6 +86,9 @@ class Offloader:
             self.gpu.hasher.update(request)
         table = self.gpu.get_blocks(request.request_id)
         keys = list(request.block_hashes[start:end])
+        ctx = self.contexts.get(request.request_id)
+        if ctx is not None and keys:
+            ctx.set_positions(keys, (start + 1) * self.gpu.block_size, self.gpu.block_size)
         return self._store(list(table[start:end]), keys, request.request_id, False, gated_layers)
 
     def save_window(self, window: int) -> Transfer | None:
@@ -124,8 +132,12 @@ class Offloader:
 
     def start_load(self, request: Request, keys: list[Key], dst: list[KVCacheBlock], upto_tokens: int) -> Transfer:
         """Pin prefix hits in the store and copy them into ``dst``, the request's fresh GPU blocks."""
-        spec = self.store.prepare_load(keys)
-        self.store.touch(keys)
+        ctx = self.contexts.get(request.request_id)
+        if ctx is not None:
+            spec = self.store.prepare_load(keys, ctx)  # a use of the request, as in vLLM 0.33 (no touch)
+        else:
+            spec = self.store.prepare_load(keys)
+            self.store.touch(keys)
         plan = self.transfers.plan(
             CPU, GPU, spec.block_ids, [b.block_id for b in dst], PlanKind.ONBOARD, request.request_id, True
         )

@@ -11,12 +11,12 @@ from collections.abc import Mapping
 
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError
 from tiered_kv.manager.bounded_log import BoundedLog
-from tiered_kv.manager.chain_api import StoreChain
 from tiered_kv.manager.cost_model import TierLink
 from tiered_kv.manager.guard import exclusive
 from tiered_kv.manager.lower_tiers import LowerTiers
 from tiered_kv.manager.manager_state import ManagerState
 from tiered_kv.manager.outcomes import LoadDecision
+from tiered_kv.tiers.chain import TierChain
 from tiered_kv.transfer.engine import CopyEngine
 
 
@@ -25,7 +25,7 @@ class TierAttach(ManagerState):
 
     @exclusive
     def attach_tiers(
-        self, chain: StoreChain, engines: Mapping[str, CopyEngine], links: Mapping[str, TierLink] | None = None
+        self, chain: TierChain, engines: Mapping[str, CopyEngine], links: Mapping[str, TierLink] | None = None
     ) -> None:
         """Put tiers below the CPU store (disk, remote): prefixes load from them, blocks go down to them.
 
@@ -34,7 +34,7 @@ class TierAttach(ManagerState):
         ``chain``: a :class:`tiered_kv.tiers.TierChain` whose first tier is :attr:`store`;
         ``engines``: medium -> its I/O engine; ``links``: medium -> :class:`~.cost_model.TierLink`
         (default :data:`~.cost_model.DEFAULT_TIER_LINKS`).  Raises :class:`InvalidArgumentError`
-        (see :func:`~.chain_api.check_tiers`) or :class:`InvalidTransitionError`; nothing changes then.
+        (see :func:`~.tier_checks.check_tiers`) or :class:`InvalidTransitionError`; nothing changes then.
         """
         if self._lower is not None:
             raise InvalidTransitionError("tiers below the CPU are attached already")

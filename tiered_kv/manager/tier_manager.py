@@ -35,7 +35,6 @@ from tiered_kv.core.request import Request
 from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError
 from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE, BoundedLog
 from tiered_kv.manager.cost_model import CostModel
-from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.guard import exclusive
 from tiered_kv.manager.inspection import Inspection
 from tiered_kv.manager.lower_tiers import LowerTiers
@@ -52,6 +51,8 @@ from tiered_kv.manager.tier_attach import TierAttach
 from tiered_kv.manager.transfers import Transfer, Transfers
 from tiered_kv.manager.write_through import WriteThrough
 from tiered_kv.storage.spec import KVSpec
+from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.store import RequestContext
 from tiered_kv.transfer.engine import CopyEngine
 from tiered_kv.transfer.plan import CPU, GPU
 
@@ -170,7 +171,9 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         b = self._bounds = PreemptBounds(self.gpu, self.cost_model)  # told of every hold and release
         tr.on_hold, tr.on_release = b.acquired, b.released
         self._swap = Swapper(self.gpu, self.store, tr, enable_caching, b.free_table, b.acquired) if self.store else None
-        self._off = Offloader(self.gpu, self.store, tr, b.free_table) if self.store else None
+        #: The CPU store's view of each admitted request that has not finished (vLLM 0.33's request scope).
+        self._store_requests: dict[Hashable, RequestContext] = {}
+        self._off = Offloader(self.gpu, self.store, tr, b.free_table, self._store_requests) if self.store else None
         self._counters = TierCounters()
         self.decision_log: BoundedLog[Decision] = BoundedLog(log_size)
         self._lower: LowerTiers | None = None
@@ -222,6 +225,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         if gpu_hits:
             self._bounds.acquired(gpu_hits)
         h = self._held[rid] = Held(request, Residency.GPU)
+        self._open_in_store(request)
         self._counters.count_lookup(request.num_tokens, n_gpu, n_cpu, self.store is not None)
         plan = None
         if keys:
@@ -380,6 +384,33 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
                 "cancel the copy or wait for it before freeing"
             )
         self._forget(h)
+        ctx = self._store_requests.pop(request_id, None)
+        if ctx is not None:  # finished: the store commits the request's recency (its copies may still land)
+            self.store.on_request_finished(ctx)  # type: ignore[union-attr]
+
+    def _open_in_store(self, request: Request) -> None:
+        """Admission is a new request for the CPU store; a re-admission (after a preemption) is the same one.
+
+        Positions are each prompt block's end token, so the store ranks a
+        request's tail before its head.
+        """
+        store = self.store
+        if store is None:
+            return
+        rid = request.request_id
+        ctx = self._store_requests.get(rid)
+        if ctx is None:
+            ctx = RequestContext(rid)
+            store.on_new_request(ctx)
+            self._store_requests[rid] = ctx
+        if request.block_hashes:
+            ctx.set_positions(list(request.block_hashes), self.block_size, self.block_size)
+
+    @exclusive
+    def on_schedule_end(self, new_req_ids: list[Hashable], preempted_req_ids: list[Hashable]) -> None:
+        """The end of a scheduler step: the CPU store's ``on_schedule_end`` (vLLM 0.33's step hook)."""
+        if self.store is not None:
+            self.store.on_schedule_end(new_req_ids, preempted_req_ids)
 
     def _forget(self, h: Held) -> None:
         self._bounds.free_table(h.request)

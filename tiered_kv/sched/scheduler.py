@@ -284,6 +284,7 @@ class Scheduler(Preempting):
             self._admit(out, budget)
         if self.config.layerwise:
             self._start_layerwise_stores(out)
+        self.tm.on_schedule_end(out.admitted, [rid for rid, _ in out.preempted])
         return out
 
     def _start_layerwise_stores(self, out: SchedulerOutput) -> None:

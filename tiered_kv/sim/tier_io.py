@@ -29,15 +29,15 @@ from typing import Any
 
 from tiered_kv import checks
 from tiered_kv.errors import BlockStateError, PlanError
-from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.manager.metrics import MetricsSnapshot
-from tiered_kv.manager.store import Key
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sim.events import EventLoop
 from tiered_kv.sim.tier_config import SimTier, TierSetup
 from tiered_kv.tiers.chain import TierChain, TierPolicy
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
+from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
 
 EVENT = "tier_io"

@@ -1,7 +1,10 @@
-"""Layer 2: the tiers below the CPU.  A disk store, a shared remote store on Redis, their I/O engines, and the chain.
+"""Layer 2, beside the manager: the stores.  The CPU store and its policies, a disk store, a remote store, the chain.
 
-Each store is a :class:`~tiered_kv.manager.store.BlockStore` (the CPU tier's verbs
-and semantics); each I/O engine moves a block's bytes between the CPU tier's
+The CPU store (:class:`~tiered_kv.tiers.cpu_store.CPUStore`) follows vLLM 0.33.0's
+request-scoped ``OffloadingManager`` protocol, with its cache policies in
+:mod:`tiered_kv.tiers.policies`.  Each store below it is a
+:class:`~tiered_kv.tiers.store.BlockStore` (the CPU tier's verbs and semantics,
+without request scope); each I/O engine moves a block's bytes between the CPU tier's
 tensor (the staging area) and the store's medium on a thread pool, completing
 through a :class:`~tiered_kv.transfer.plan.TransferHandle`.  :class:`TierChain`
 orders the stores and answers "which tier holds each block of this prefix".
@@ -20,6 +23,11 @@ from typing import Any
 _WHERE = {
     "BlockHeader": "block_format",
     "FormatError": "block_format",
+    "CPUStore": "cpu_store",
+    "StoreUsage": "cpu_store",
+    "BlockStore": "store",
+    "RequestContext": "store",
+    "StoreEvent": "store",
     "ChainLookup": "chain",
     "Move": "chain",
     "TierChain": "chain",

@@ -39,8 +39,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tiered_kv.errors import TieredKVError
-from tiered_kv.manager.store import Key
 from tiered_kv.tiers.namespace import MAX_KEY_BYTES, key_name
+from tiered_kv.tiers.store import Key
 
 MAGIC = b"TKVBLK\x00\x01"
 _FIXED = struct.Struct("<8s16sBBHQI")  # the header up to (not including) its own CRC

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 from tiered_kv import checks
 from tiered_kv.errors import BlockStateError, InvalidArgumentError
-from tiered_kv.manager.cpu_store import CPUStore
-from tiered_kv.manager.store import BlockStore, Key, LoadStoreSpec, check_keys
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
 from tiered_kv.tiers.namespace import encodable
+from tiered_kv.tiers.store import BlockStore, Key, LoadStoreSpec, check_keys
 from tiered_kv.transfer.plan import GPU, PlanKind, TransferHandle, TransferPlan
 
 DEMOTE_MODES = ("write_back", "write_through", "none")

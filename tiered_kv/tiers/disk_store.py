@@ -48,10 +48,10 @@ from pathlib import Path
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError, StorageError
-from tiered_kv.manager.store import Key
 from tiered_kv.tiers.block_format import MAX_HEADER_BYTES, BlockHeader, FormatError
 from tiered_kv.tiers.keyed_store import KeyedStore
 from tiered_kv.tiers.namespace import KVNamespace, key_name, parse_key_name
+from tiered_kv.tiers.store import Key
 
 ALLOCATION_BYTES = 4096
 SUFFIX = ".kv"
@@ -83,7 +83,7 @@ def shard_of(name: str) -> str:
 
 
 class DiskStore(KeyedStore):
-    """A :class:`~tiered_kv.manager.store.BlockStore` of block files in a local directory.
+    """A :class:`~tiered_kv.tiers.store.BlockStore` of block files in a local directory.
 
     Args:
         root: The directory that holds one subdirectory per namespace (created if missing).

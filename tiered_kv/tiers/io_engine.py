@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 from tiered_kv import checks
 from tiered_kv.errors import BlockStateError, PlanError, TransferError
-from tiered_kv.manager.store import Key
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tiers.host_blocks import HostBlocks
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
+from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.plan import TransferPlan, TransferStatus
 
 FaultHook = Callable[[str, Key], None]

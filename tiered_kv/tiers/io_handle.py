@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tiered_kv.manager.store import Key
+from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.plan import TransferHandle
 
 

@@ -5,7 +5,7 @@ and ready entries, pins, a cache policy, all-or-nothing ``prepare_store``,
 events.  Only the meaning of a *slot* differs.  In the CPU tier a slot is a
 block of the pinned tensor; here it is one unit of capacity (one block file,
 one entry of the local index of a remote store), and the bytes are found by
-key, not by slot.  So these stores reuse :class:`~tiered_kv.manager.cpu_store.CPUStore`
+key, not by slot.  So these stores reuse :class:`~tiered_kv.tiers.cpu_store.CPUStore`
 and add:
 
 * a slot -> key map (:meth:`key_at`), which an I/O engine reads when a plan is
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 from tiered_kv import checks
 from tiered_kv.errors import BlockStateError, InvalidArgumentError
-from tiered_kv.manager.cpu_store import CPUStore
-from tiered_kv.manager.store import Key, PrepareStoreOutput, check_keys
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.namespace import MAX_KEY_BYTES, encodable
+from tiered_kv.tiers.store import Key, PrepareStoreOutput, check_keys
 
 
 class KeyedStore(CPUStore):

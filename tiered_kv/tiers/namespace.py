@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.manager.store import Key
 from tiered_kv.storage.spec import KVSpec
+from tiered_kv.tiers.store import Key
 
 MAX_KEY_BYTES = 64
 """Longest ``bytes`` key a medium accepts (SHA-256 keys are 32, XXH3-128 keys 16): file names stay short."""

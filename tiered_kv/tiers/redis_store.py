@@ -48,10 +48,10 @@ from typing import Any
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError, MissingDependencyError
-from tiered_kv.manager.store import Key, LookupResult, StoreStats, check_key, check_keys
 from tiered_kv.tiers.keyed_store import KeyedStore
 from tiered_kv.tiers.namespace import KVNamespace, encodable, key_name
 from tiered_kv.tiers.redis_health import HealthStats, RedisHealth
+from tiered_kv.tiers.store import Key, LookupResult, StoreStats, check_key, check_keys
 
 
 def redis_module() -> Any:
@@ -96,7 +96,7 @@ class RedisStoreStats:
 
 
 class RedisStore(KeyedStore):
-    """A :class:`~tiered_kv.manager.store.BlockStore` over a shared Redis server.
+    """A :class:`~tiered_kv.tiers.store.BlockStore` over a shared Redis server.
 
     Args:
         client: A ``redis.Redis`` client (any object with its ``pipeline``,
@@ -108,7 +108,7 @@ class RedisStore(KeyedStore):
             loaded; ``None`` for no expiry (the server's ``maxmemory`` policy decides).
         claim_ttl_s: How long a writer's claim lasts if the writer dies.
         health: The breaker shared with the I/O engine (a new one by default).
-        policy, enable_events: As :class:`~tiered_kv.manager.cpu_store.CPUStore`.
+        policy, enable_events: As :class:`~tiered_kv.tiers.cpu_store.CPUStore`.
     """
 
     medium = "REMOTE"

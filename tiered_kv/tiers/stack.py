@@ -14,9 +14,9 @@ from typing import Any
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.manager.cpu_store import CPUStore
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tiers.chain import DEMOTE_MODES, TierChain, TierPolicy
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.disk_io import FSYNC_POLICIES, DiskIO
 from tiered_kv.tiers.disk_store import DiskStore
 from tiered_kv.tiers.io_engine import BlockIOEngine

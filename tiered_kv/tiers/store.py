@@ -2,9 +2,13 @@
 
 A store holds whole KV blocks, each under a key: the block's hash (``bytes`` or
 ``int``) for shareable prefix blocks, or a private key object for blocks that
-belong to one request.  The verbs are vLLM's ``OffloadingManager`` verbs, so that
-the CPU tier, a disk tier and a remote tier are interchangeable under the tier
-manager:
+belong to one request.  The verbs are those of vLLM 0.33.0's ``OffloadingManager``
+(``vllm/v1/kv_offload/base.py``), so that the CPU tier, a disk tier and a remote
+tier are interchangeable under the tier manager.  The CPU store
+(:class:`~tiered_kv.tiers.cpu_store.CPUStore`) follows vLLM 0.33.0's request-scoped
+protocol (:class:`RequestContext`, ``on_new_request`` / ``on_request_finished`` /
+``on_schedule_end``); the disk and remote stores accept the same verbs without a
+request:
 
 * ``lookup`` / ``lookup_prefix`` ask what is there;
 * ``prepare_load`` pins blocks for a copy out of the store, ``complete_load``
@@ -35,11 +39,11 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass, field
 
 from tiered_kv import checks
-from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.errors import InvalidArgumentError, RequestStateError
 
 Key = Hashable
 """A block hash (``bytes`` or ``int``), or a private key object for a request's own blocks."""
@@ -125,13 +129,82 @@ def make_prepare_output(
 class StoreEvent:
     """Keys that became loadable (``removed=False``) or left the store (``removed=True``).
 
-    A pending entry that is dropped because its store failed produces no event:
-    it was never announced as stored.
+    A pending entry dropped because its store failed is reported as vLLM 0.33
+    reports it: ``removed=True, metadata_only=True`` (its slot was released, but
+    it was never announced as stored, so it is no public eviction).  When the
+    events are taken, such an event keeps only the keys that are still absent:
+    a retry may have stored the key again meanwhile.
     """
 
     keys: list[Key]
     medium: str
     removed: bool
+    metadata_only: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class RequestContext:
+    """One request, as the stores see it (vLLM 0.33's ``ReqContext``, without its transfer parameters).
+
+    It carries the end-token position of each of the request's keys, so that a
+    store can rank a request's blocks by prefix order even when its stores arrive
+    out of order: a request's tail is worth less than its head, because a later
+    block is useless without every block before it.
+
+    A key's position is fixed once set (it is where the block ends in the
+    request's token sequence): moving it is a caller's bug, so it raises
+    :class:`~tiered_kv.errors.RequestStateError` and changes nothing.  Two keys
+    of one request share a position only in vLLM's hybrid models (one key per
+    KV cache group, which we do not claim); the LRU policy then breaks the tie
+    by comparing the keys, as vLLM does, so such keys must be orderable.
+
+    Attributes:
+        req_id: The request's id; a store tracks at most one open request per id.
+    """
+
+    req_id: Hashable
+    _positions: dict[Key, int] = field(default_factory=dict, repr=False)
+
+    def set_position(self, key: Key, end_token: int) -> None:
+        """Record that ``key``'s block ends at token ``end_token`` (>= 1) of this request.
+
+        Raises:
+            InvalidArgumentError: ``key`` is not a key or ``end_token`` not a count >= 1.
+            RequestStateError: ``key`` already has another position.
+        """
+        check_key("key", key)
+        checks.count("end_token", end_token, 1)
+        old = self._positions.get(key)
+        if old is not None and old != end_token:
+            raise RequestStateError(
+                f"request {self.req_id!r}: key {checks.describe(key)} already ends at token {old}, "
+                f"cannot move it to {end_token}"
+            )
+        self._positions[key] = end_token
+
+    def set_positions(self, keys: Sequence[Key], first_end: int, step: int) -> None:
+        """Positions for consecutive blocks: ``keys[i]`` ends at ``first_end + i * step``, all or nothing.
+
+        Raises:
+            InvalidArgumentError, RequestStateError: as :meth:`set_position`; nothing is recorded.
+        """
+        checks.count("first_end", first_end, 1)
+        checks.count("step", step, 1)
+        check_keys("keys", keys)
+        positions = self._positions
+        for i, key in enumerate(keys):
+            end = first_end + i * step
+            old = positions.get(key)
+            if old is not None and old != end:
+                raise RequestStateError(
+                    f"request {self.req_id!r}: key {checks.describe(key)} (keys[{i}]) already ends at token {old}, "
+                    f"cannot move it to {end}"
+                )
+        positions.update(zip(keys, range(first_end, first_end + len(keys) * step, step), strict=True))
+
+    def position(self, key: Key) -> int | None:
+        """The end token set for ``key``, or ``None``."""
+        return self._positions.get(key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,17 +252,31 @@ def check_key(name: str, key: object) -> Key:
     return checks.hashable(name, key)
 
 
-def check_keys(name: str, keys: object) -> Sequence[Key]:
-    """Return ``keys`` if it is a list or tuple of distinct valid keys.
+def as_keys(name: str, keys: object) -> Sequence[Key]:
+    """``keys`` as a list or tuple: itself if it is one, else its items in iteration order.
 
-    Order carries meaning (slot order, recency), so sets and other unordered
-    collections are refused; so are ``bytes`` and ``str``, which are sequences
-    of characters, not of keys.  A key named twice in one call is a caller bug
-    (a chained block hash cannot repeat within one request), and refusing it
-    keeps every per-key precondition checkable before any change.
+    vLLM 0.33's manager takes any collection of keys (its connector completes
+    stores with a ``set``), so every collection is accepted; its iteration order
+    is then the order.  ``bytes``, ``str`` and mappings are refused: they are
+    collections of characters or of pairs, not of keys.
     """
-    key_set(name, keys)
-    return keys  # type: ignore[return-value]
+    if keys.__class__ is list or keys.__class__ is tuple:
+        return keys  # type: ignore[return-value]
+    if isinstance(keys, str | bytes | bytearray | memoryview | dict) or not isinstance(keys, Collection):
+        raise InvalidArgumentError(f"{name} must be a collection of keys, got {checks.describe(keys)}")
+    return list(keys)
+
+
+def check_keys(name: str, keys: object) -> Sequence[Key]:
+    """Return ``keys`` as a list or tuple (see :func:`as_keys`) if it holds distinct valid keys.
+
+    A key named twice in one call is a caller bug (a chained block hash cannot
+    repeat within one request), and refusing it keeps every per-key
+    precondition checkable before any change.
+    """
+    seq = as_keys(name, keys)
+    key_set(name, seq)
+    return seq
 
 
 def key_set(name: str, keys: object) -> set[Key]:
@@ -200,7 +287,7 @@ def key_set(name: str, keys: object) -> set[Key]:
     pass proves every key hashable and distinct.
     """
     if keys.__class__ is not list and keys.__class__ is not tuple:
-        raise InvalidArgumentError(f"{name} must be a list or tuple of keys, got {checks.describe(keys)}")
+        keys = as_keys(name, keys)
     try:
         distinct = set(keys)  # type: ignore[arg-type]
     except TypeError:
@@ -275,8 +362,9 @@ class BlockStore(abc.ABC):
         """Pin every key (ref +1) for a copy out of the store; return their slots.
 
         Every key must be ready.  Pins keep the slots from being evicted or
-        removed until :meth:`complete_load`.  Recency is not changed here
-        (call :meth:`touch`), as in vLLM.
+        removed until :meth:`complete_load`.  Without a request, recency is
+        not changed here (call :meth:`touch`); the CPU store's request-scoped
+        form counts it as that request's use, as vLLM 0.33 does.
 
         Raises:
             BlockStateError: A key is absent or pending; nothing is pinned.

@@ -1,24 +1,20 @@
-"""What the tier manager needs of the tiers below the CPU: a chain of stores, their I/O engines, their links.
+"""Checks of what a driver attaches below the CPU tier: a chain of stores, their I/O engines, their links.
 
-The chain itself (:class:`tiered_kv.tiers.TierChain`) and the disk and remote
-stores live in ``tiered_kv.tiers``, which imports the manager's store
-interface; the manager importing them back would be a package cycle.  So the
-manager states here, as protocols, the little it uses of a chain, and
-:func:`check_tiers` checks whatever it is given against them before anything
-is attached.  Drivers (the engine) build the chain and hand it over.
+The chain (:class:`tiered_kv.tiers.chain.TierChain`) and its stores live in the
+tier layer, beside the manager; :func:`check_tiers` checks whatever a driver
+hands over before anything is attached.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Protocol
+from collections.abc import Mapping
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.cost_model import DEFAULT_TIER_LINKS, TierLink
-from tiered_kv.manager.store import BlockStore, Key, LoadStoreSpec
+from tiered_kv.tiers.chain import DEMOTE_MODES, TierChain
+from tiered_kv.tiers.store import BlockStore
 from tiered_kv.transfer.engine import CopyEngine
-from tiered_kv.transfer.plan import TransferHandle
 
 CHAIN_METHODS = (
     "lookup",
@@ -31,68 +27,6 @@ CHAIN_METHODS = (
     "only_copies",
     "check_invariants",
 )
-DEMOTE_MODES = ("write_back", "write_through", "none")
-
-
-class TierMove(Protocol):
-    """Blocks reserved for a copy between two tiers: pinned in ``src``, pending in ``dst``."""
-
-    @property
-    def src(self) -> int: ...
-
-    @property
-    def dst(self) -> int: ...
-
-    @property
-    def keys(self) -> tuple[Key, ...]: ...
-
-    @property
-    def src_spec(self) -> LoadStoreSpec: ...
-
-    @property
-    def dst_spec(self) -> LoadStoreSpec: ...
-
-
-class TierPolicyView(Protocol):
-    """How a tier hands blocks down: ``demote`` is one of :data:`DEMOTE_MODES`."""
-
-    @property
-    def demote(self) -> str: ...
-
-    @property
-    def writeback_reserve(self) -> int: ...
-
-
-class ChainLookupView(Protocol):
-    """Per block of the longest prefix the chain holds, the highest tier holding it."""
-
-    @property
-    def tiers(self) -> tuple[int, ...]: ...
-
-
-class StoreChain(Protocol):
-    """The verbs of :class:`tiered_kv.tiers.TierChain` that the manager calls (see its docstrings)."""
-
-    stores: tuple[BlockStore, ...]
-    policies: tuple[TierPolicyView, ...]
-
-    def lookup(self, keys: Sequence[Key]) -> ChainLookupView: ...
-
-    def stage(self, keys: Sequence[Key], src: int) -> TierMove | None: ...
-
-    def demote(self, src: int, keys: Sequence[Key], dst: int | None = None) -> TierMove | None: ...
-
-    def finish(self, move: TierMove, landed: Sequence[Key]) -> list[Key]: ...
-
-    def finish_handle(self, move: TierMove, handle: TransferHandle) -> list[Key]: ...
-
-    def after_store(self, tier: int, keys: Sequence[Key]) -> list[Key]: ...
-
-    def writeback_due(self, tier: int) -> list[Key]: ...
-
-    def only_copies(self, tier: int, keys: Sequence[Key]) -> list[Key]: ...
-
-    def check_invariants(self) -> None: ...
 
 
 def check_tiers(
@@ -100,7 +34,7 @@ def check_tiers(
     cpu_store: BlockStore,
     engines: object,
     links: object,
-) -> tuple[StoreChain, dict[str, CopyEngine], dict[str, TierLink]]:
+) -> tuple[TierChain, dict[str, CopyEngine], dict[str, TierLink]]:
     """Check a chain, its I/O engines and links against the manager; return them with every link filled in.
 
     Raises:

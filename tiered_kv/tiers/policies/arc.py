@@ -1,0 +1,182 @@
+"""ARC (adaptive replacement cache) policy with vLLM 0.33.0's rules (``kv_offload/cpu/policies/arc.py``)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterator, Sequence
+
+from tiered_kv.tiers.policies.base import CachePolicy, Predicate
+from tiered_kv.tiers.request_access import RequestAccess
+from tiered_kv.tiers.store import Key
+
+_MISSING = object()
+
+
+class ARCPolicy(CachePolicy):
+    """Adaptive Replacement Cache, as vLLM 0.33.0 decides it.
+
+    * T1 holds keys used once, T2 keys used again; both least recent first.
+    * B1 and B2 are ghost lists: keys recently evicted from T1 and T2, kept
+      (at most ``capacity`` each) only to learn from.
+    * ``target_t1_size`` is how large T1 should be.  Offering (storing) a B1
+      ghost means recency was undervalued: the target grows by
+      ``max(1, |B2|/|B1|)`` (capped at ``capacity``); a B2 ghost shrinks it by
+      ``max(1, |B1|/|B2|)`` (floored at 0).  A request learns from each ghost
+      once, before the store re-inserts it.
+    * Insertion goes to T1's most recent end and clears the key's ghost.
+    * When a request finishes, each key it reused (read, or offered while
+      ready, without having inserted it) counts as one access: from T1 it is
+      promoted to T2, in T2 it becomes most recent.  A key it only inserted
+      stays in its list and becomes most recent there.  Keys are walked tail to
+      head, so the head ends most recent.
+    * An explicit ``touch`` promotes a ready T1 key to T2 (a pending one stays
+      in T1, most recent: its reservation is not a second use), refreshes a T2
+      key, and adapts the target on a ghost.
+    * Eviction picks victims one by one: from T1 while T1 (counting keys
+      already picked as gone) is at least ``int(target_t1_size)`` and has an
+      evictable key; otherwise from T2; and when T2 has none, it falls back to
+      T1.  Each list is scanned forward once however many are picked.  Victims
+      are committed only once all ``n`` are found; they become ghosts and the
+      ghost lists are trimmed to ``capacity``.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int, is_ready: Predicate) -> None:
+        super().__init__(capacity, is_ready)
+        self._t1: OrderedDict[Key, None] = OrderedDict()
+        self._t2: OrderedDict[Key, None] = OrderedDict()
+        self._b1: OrderedDict[Key, None] = OrderedDict()
+        self._b2: OrderedDict[Key, None] = OrderedDict()
+        self._target = 0.0
+
+    @property
+    def t1(self) -> tuple[Key, ...]:
+        """Keys used once, least recent first."""
+        return tuple(self._t1)
+
+    @property
+    def t2(self) -> tuple[Key, ...]:
+        """Keys used more than once, least recent first."""
+        return tuple(self._t2)
+
+    @property
+    def b1(self) -> tuple[Key, ...]:
+        """Ghosts of keys evicted from T1, oldest first."""
+        return tuple(self._b1)
+
+    @property
+    def b2(self) -> tuple[Key, ...]:
+        """Ghosts of keys evicted from T2, oldest first."""
+        return tuple(self._b2)
+
+    @property
+    def target_t1_size(self) -> float:
+        """The adaptive target size of T1, in ``[0, capacity]``."""
+        return self._target
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def order(self) -> list[Key]:
+        return [*self._t1, *self._t2]
+
+    def snapshot(self) -> tuple:
+        return (self.t1, self.t2, self.b1, self.b2, self._target)
+
+    def insert(self, key: Key, req: RequestAccess | None) -> None:
+        self._t1[key] = None
+        self._b1.pop(key, None)
+        self._b2.pop(key, None)
+
+    def remove(self, key: Key) -> None:
+        if self._t1.pop(key, _MISSING) is _MISSING:
+            del self._t2[key]
+
+    def _adapt(self, key: Key) -> None:
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self._target = min(self._target + max(1, len(b2) / len(b1)), self.capacity)
+            b1.move_to_end(key)
+        elif key in b2:
+            self._target = max(self._target - max(1, len(b1) / len(b2)), 0)
+            b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[Key], req: RequestAccess | None) -> None:
+        if self._b1 or self._b2:
+            for key in reversed(keys):
+                self._adapt(key)
+
+    def touch(self, keys: Sequence[Key], req: RequestAccess | None) -> None:
+        t1, t2, ready = self._t1, self._t2, self.is_ready
+        for key in reversed(keys):
+            if key in t1:
+                if ready(key):
+                    del t1[key]
+                    t2[key] = None
+                else:
+                    t1.move_to_end(key)
+            elif key in t2:
+                t2.move_to_end(key)
+            else:
+                self._adapt(key)
+
+    def on_request_finished(
+        self, keys: Sequence[Key], insertion_only: Collection[Key], reused: Collection[Key], req: RequestAccess
+    ) -> None:
+        t1, t2 = self._t1, self._t2
+        for key in reversed(keys):
+            if key in insertion_only:
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in reused:
+                if key in t1:
+                    del t1[key]
+                    t2[key] = None
+                elif key in t2:
+                    t2.move_to_end(key)
+
+    def clear(self) -> None:
+        self._t1.clear()
+        self._t2.clear()
+        self._b1.clear()
+        self._b2.clear()
+        self._target = 0.0
+
+    def evict(self, n: int, protected: Collection[Key], evictable: Predicate) -> list[Key] | None:
+        picked: list[tuple[Key, bool]] = []  # (key, came from T1)
+        t1_size = len(self._t1)
+        target = int(self._target)
+        t1_scan: Iterator[Key] = (k for k in self._t1 if evictable(k) and k not in protected)
+        t2_scan: Iterator[Key] = (k for k in self._t2 if evictable(k) and k not in protected)
+        while len(picked) < n:
+            key = next(t1_scan, None) if t1_size >= target else None
+            if key is not None:
+                picked.append((key, True))
+                t1_size -= 1
+                continue
+            key = next(t2_scan, None)
+            if key is not None:
+                picked.append((key, False))
+                continue
+            key = next(t1_scan, None)  # T2 has nothing evictable: fall back to T1
+            if key is None:
+                return None
+            picked.append((key, True))
+            t1_size -= 1
+        for key, from_t1 in picked:
+            if from_t1:
+                del self._t1[key]
+                self._b1[key] = None
+            else:
+                del self._t2[key]
+                self._b2[key] = None
+        for ghosts in (self._b1, self._b2):
+            for _ in range(len(ghosts) - self.capacity):
+                ghosts.popitem(last=False)
+        return [key for key, _ in picked]
