@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import heapq
+from bisect import bisect_left
 from collections.abc import Collection, Iterable, Sequence
+from itertools import pairwise
 
 from tiered_kv.tiers.policies.base import CachePolicy, Predicate
 from tiered_kv.tiers.request_access import RequestAccess
@@ -28,11 +29,15 @@ class LRUPolicy(CachePolicy):
       head, so its head ends most recent.
 
     Recency is logical: a pinned or pending key is ranked like any other and
-    only skipped by eviction.  Evictable keys wait in a min-heap of
-    ``(rank, key)``; entries go stale when a key is re-ranked or pinned and are
-    dropped when popped (the heap is rebuilt when stale entries outnumber live
-    ones).  Ranks are distinct unless two keys of one request share a position
-    (vLLM's hybrid models); only then does the heap compare keys, as vLLM's does.
+    only skipped by eviction.  Evictable keys sit in buckets, one per rank's
+    first component (a request's value, or a lone key's own value), each a map
+    key -> second component; the bucket values are kept in a sorted list (new
+    values come from the counter, so almost always go at its end).  Eviction
+    walks buckets in ascending value and each bucket in ascending
+    ``(second component, key)``: exactly the order of ``(rank, key)``, the
+    order of vLLM's heap, ties included, with no stale entries to pop.  Ranks
+    are distinct unless two keys of one request share a position (vLLM's
+    hybrid models); only then are keys compared, as vLLM's heap does.
     """
 
     name = "lru"
@@ -41,7 +46,11 @@ class LRUPolicy(CachePolicy):
         super().__init__(capacity, is_ready)
         self._rank: dict[Key, Rank] = {}
         self._evictable: set[Key] = set()
-        self._heap: list[tuple[Rank, Key]] = []
+        # Evictable keys by their rank's first component; a bucket is dropped when empty.
+        self._buckets: dict[int, dict[Key, int]] = {}
+        # Ascending, no duplicates; entries before ``_head`` have no bucket, later ones may not.
+        self._values: list[int] = []
+        self._head = 0
         self._clock = 0
 
     def __len__(self) -> int:
@@ -67,41 +76,69 @@ class LRUPolicy(CachePolicy):
             req.rank = self._clock
         return req.rank
 
+    def _bucket(self, value: int) -> dict[Key, int]:
+        """The bucket of ``value``, made (and listed in order) if it has none."""
+        bucket = self._buckets.get(value)
+        if bucket is not None:
+            return bucket
+        bucket = self._buckets[value] = {}
+        values = self._values
+        if not values or value > values[-1]:
+            values.append(value)
+            return bucket
+        pos = bisect_left(values, value)
+        if pos == len(values) or values[pos] != value:
+            values.insert(pos, value)
+        if pos < self._head:
+            self._head = pos
+        return bucket
+
+    def _unfile(self, key: Key, value: int) -> None:
+        buckets = self._buckets
+        bucket = buckets[value]
+        del bucket[key]
+        if not bucket:
+            del buckets[value]
+            self._compact()
+
+    def _compact(self) -> None:
+        # Dead values are skipped by eviction; drop them once they outnumber the live ones.
+        values = self._values
+        if len(values) >= max(64, 2 * len(self._buckets)):
+            buckets = self._buckets
+            self._values = [v for v in values[self._head :] if v in buckets]
+            self._head = 0
+
+    def _move(self, key: Key, old: Rank, new: Rank) -> None:
+        """Refile an evictable key whose rank changed from ``old`` to ``new``."""
+        if old[0] == new[0]:
+            self._buckets[old[0]][key] = new[1]
+            return
+        self._bucket(new[0])[key] = new[1]
+        self._unfile(key, old[0])
+
     def _rerank(self, keys: Iterable[Key]) -> None:
         """Give each resident key of ``keys``, in turn, the next rank."""
-        rank, evictable = self._rank, self._evictable
+        rank, evictable, buckets, values = self._rank, self._evictable, self._buckets, self._values
         clock = self._clock
-        moved = []
+        emptied = False
         for key in keys:
-            if key in rank:
+            old = rank.get(key)
+            if old is not None:
                 clock += 1
                 rank[key] = (clock, 0)
                 if key in evictable:
-                    moved.append(key)
+                    # ``clock`` exceeds every value in use, so its bucket goes at the end.
+                    buckets[clock] = {key: 0}
+                    values.append(clock)
+                    bucket = buckets[old[0]]
+                    del bucket[key]
+                    if not bucket:
+                        del buckets[old[0]]
+                        emptied = True
         self._clock = clock
-        self._repush(moved)
-
-    def _repush(self, moved: Sequence[Key]) -> None:
-        if not moved:
-            return
-        rank, heap = self._rank, self._heap
-        if len(moved) >= max(64, len(self._evictable) // 4):
-            # Re-ranking a long prefix: one heapify is cheaper than that many pushes.
-            self._rebuild()
-            return
-        push = heapq.heappush
-        for key in moved:
-            push(heap, (rank[key], key))
-        self._compact()
-
-    def _rebuild(self) -> None:
-        rank = self._rank
-        self._heap = [(rank[key], key) for key in self._evictable]
-        heapq.heapify(self._heap)
-
-    def _compact(self) -> None:
-        if len(self._heap) >= max(64, 2 * len(self._evictable)):
-            self._rebuild()
+        if emptied:
+            self._compact()
 
     def insert(self, key: Key, req: RequestAccess | None) -> None:
         position = None if req is None else req.context._positions.get(key)
@@ -112,8 +149,10 @@ class LRUPolicy(CachePolicy):
             self._rank[key] = (self._request_rank(req), -position)  # type: ignore[arg-type]
 
     def remove(self, key: Key) -> None:
-        del self._rank[key]
-        self._evictable.discard(key)  # its heap entry, if any, is now stale
+        old = self._rank.pop(key)
+        if key in self._evictable:
+            self._evictable.remove(key)
+            self._unfile(key, old[0])
 
     def touch(self, keys: Sequence[Key], req: RequestAccess | None) -> None:
         self._rerank(reversed(keys))
@@ -124,18 +163,19 @@ class LRUPolicy(CachePolicy):
     def on_request_access(self, keys: Sequence[Key], req: RequestAccess) -> None:
         r = self._request_rank(req)
         rank, evictable, positions = self._rank, self._evictable, req.context._positions
-        moved = []
         for key in keys:
             position = positions.get(key)
-            if position is None or key not in rank:
+            if position is None:
+                continue
+            old = rank.get(key)
+            if old is None:
                 continue
             new = (r, -position)
-            if rank[key] >= new:
+            if old >= new:
                 continue  # already as recent (a later request saw it)
             rank[key] = new
             if key in evictable:
-                moved.append(key)
-        self._repush(moved)
+                self._move(key, old, new)
 
     def on_request_finished(
         self, keys: Sequence[Key], insertion_only: Collection[Key], reused: Collection[Key], req: RequestAccess
@@ -145,55 +185,78 @@ class LRUPolicy(CachePolicy):
     def clear(self) -> None:
         self._rank.clear()
         self._evictable.clear()
-        self._heap.clear()
+        self._buckets.clear()
+        self._values.clear()
+        self._head = 0
         self._clock = 0
 
     def evict(self, n: int, protected: Collection[Key], evictable: Predicate) -> list[Key] | None:
-        rank, live, heap = self._rank, self._evictable, self._heap
-        pop, push = heapq.heappop, heapq.heappush
-        picked: list[tuple[Rank, Key]] = []
-        picked_keys: set[Key] = set()
-        held: list[tuple[Rank, Key]] = []
-        while heap and len(picked) < n:
-            entry = pop(heap)
-            key = entry[1]
-            if key not in live or rank.get(key) != entry[0] or key in picked_keys:
-                continue  # stale, or a duplicate left by a pin and unpin without a re-rank
-            if key in protected:
-                held.append(entry)
+        buckets, values = self._buckets, self._values
+        victims: list[Key] = []
+        i, end = self._head, len(values)
+        # Values before the first live one stay dead: skip them for good.
+        while i < end and values[i] not in buckets:
+            i += 1
+        self._head = i
+        while i < end:
+            bucket = buckets.get(values[i])
+            i += 1
+            if bucket is None:
                 continue
-            picked.append(entry)
-            picked_keys.add(key)
-        if len(picked) < n:
-            for entry in picked:
-                push(heap, entry)
-            for entry in held:
-                push(heap, entry)
+            if len(bucket) == 1:
+                for key in bucket:
+                    if key not in protected:
+                        victims.append(key)
+            else:
+                for _minor, key in sorted([(minor, key) for key, minor in bucket.items()]):
+                    if key not in protected:
+                        victims.append(key)
+                        if len(victims) == n:
+                            break
+            if len(victims) == n:
+                break
+        else:
             return None
-        for entry in held:
-            push(heap, entry)
-        victims = []
-        for _, key in picked:
+        rank, live = self._rank, self._evictable
+        emptied = False
+        for key in victims:
             live.remove(key)
-            del rank[key]
-            victims.append(key)
-        self._compact()
+            value = rank.pop(key)[0]
+            bucket = buckets[value]
+            del bucket[key]
+            if not bucket:
+                del buckets[value]
+                emptied = True
+        if emptied:
+            self._compact()
         return victims
 
     def mark_evictable(self, key: Key) -> None:
         self._evictable.add(key)
-        heapq.heappush(self._heap, (self._rank[key], key))
-        self._compact()
+        value, minor = self._rank[key]
+        self._bucket(value)[key] = minor
 
     def mark_evictable_all(self, keys: Sequence[Key]) -> None:
-        self._evictable.update(keys)
-        self._repush(keys)
+        rank, evictable, buckets = self._rank, self._evictable, self._buckets
+        for key in keys:
+            if key not in evictable:
+                evictable.add(key)
+                value, minor = rank[key]
+                bucket = buckets.get(value)
+                if bucket is None:
+                    bucket = self._bucket(value)
+                bucket[key] = minor
 
     def mark_non_evictable(self, key: Key) -> None:
         self._evictable.remove(key)
+        self._unfile(key, self._rank[key][0])
 
     def check_invariants(self) -> None:
         super().check_invariants()
         assert self._evictable <= self._rank.keys(), "lru: evictable keys that are not resident"
-        live = {key for r, key in self._heap if key in self._evictable and self._rank[key] == r}
-        assert live == self._evictable, f"lru: evictable keys missing from the heap: {self._evictable - live}"
+        filed = {key: (value, minor) for value, bucket in self._buckets.items() for key, minor in bucket.items()}
+        assert filed.keys() == self._evictable, f"lru: evictable keys not filed: {self._evictable ^ filed.keys()}"
+        assert all(self._rank[key] == r for key, r in filed.items()), "lru: a key filed under a stale rank"
+        values = self._values
+        assert all(a < b for a, b in pairwise(values)), "lru: bucket values out of order"
+        assert self._buckets.keys() <= set(values[self._head :]), "lru: a bucket missing from the value list"
