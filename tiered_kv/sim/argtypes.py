@@ -17,6 +17,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds, rates)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def positive_int_list(text: str) -> list[int]:
     """A comma-separated list of integers >= 1 (``16,32,64``)."""
     parts = [p.strip() for p in text.split(",")]

@@ -7,22 +7,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.sim.argtypes import positive_int
+from tiered_kv.sim.argtypes import positive_float, positive_int
 from tiered_kv.sim.outputs import add_output, set_inputs
 
 NAME = "trace"
 SUMMARY = "inspect, convert or sample a trace (jsonl, mooncake, azure, burstgpt, sharegpt)"
 FORMATS = ("jsonl", "mooncake", "azure", "burstgpt", "sharegpt")  # trace_formats.FORMATS, without importing it
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return v
 
 
 def _window(text: str) -> tuple[float, float]:
@@ -54,7 +44,7 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
     common.add_argument("--format", default="jsonl", metavar="FMT", help=f"its format: {', '.join(FORMATS)}")
     common.add_argument(
         "--rate",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         metavar="R",
         help="sharegpt only: conversations start R per second (default 1)",
