@@ -105,7 +105,7 @@ def test_failure_in_a_real_process_is_one_line_and_status_2(tmp_path):
 
 
 def test_an_unexpected_error_is_still_one_line(monkeypatch, capsys):
-    from tiered_kv.sim import simulate_cmd
+    from tiered_kv.cli import simulate as simulate_cmd
 
     def broken(args):
         raise RuntimeError("something\nbroke")

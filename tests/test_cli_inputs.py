@@ -198,7 +198,7 @@ def test_bench_transfer_never_labels_an_engine_that_did_not_run():
     pytest.importorskip("torch")
     import torch
 
-    from tiered_kv.tools.bench_transfer import check_engines, run_cases
+    from tiered_kv.bench.transfer import check_engines, run_cases
 
     with pytest.raises(InvalidArgumentError, match="unknown engine 'gpu'"):
         run_cases(engines=["gpu"], block_tokens=[16], layouts=["block_contiguous"], bytes_per_case=1 << 20)

@@ -9,8 +9,8 @@ import torch
 from engineutil import HAS_CUDA, tiers
 from fakecuda import install_fake_cuda, install_fake_cupy
 
+from tiered_kv.bench.transfer import make_engine
 from tiered_kv.errors import ConfigError, InvalidArgumentError, TieredKVError, TransferError
-from tiered_kv.tools.bench_transfer import make_engine
 from tiered_kv.transfer import EngineUnavailableError, PlanKind, TransferPlan, available_kinds, make_copy_engine
 from tiered_kv.transfer.cpu_engine import CpuCopyEngine
 

@@ -5,13 +5,13 @@ import json
 import pytest
 from simutil import TINY
 
+from tiered_kv.bench.crossover import crossover, plot
 from tiered_kv.engine.model import ModelConfig
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.calibration import load_calibration
 from tiered_kv.sim.config import setup, validate_config
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.workload import generate
-from tiered_kv.tools.crossover import crossover, plot
 
 TINY_MODEL = ModelConfig(
     vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64
@@ -71,7 +71,7 @@ def test_bad_calibration_files(tmp_path):
 def test_fidelity_reports_predicted_against_measured(measured, tmp_path):
     import yaml
 
-    from tiered_kv.tools.fidelity import METRICS, fidelity
+    from tiered_kv.bench.fidelity import METRICS, fidelity
 
     _, out = measured
     raw = {k: v for k, v in TINY.items() if k not in ("memory", "workload", "runs", "model")}
@@ -109,7 +109,7 @@ def test_every_point_is_repeated_and_its_spread_kept(measured):
 
 
 def test_rows_reach_the_row_file_as_they_are_measured(tmp_path):
-    from tiered_kv.tools.crossover_timing import RowFile
+    from tiered_kv.bench.timing import RowFile
 
     seen = []
     path = tmp_path / "rows.jsonl"
@@ -129,7 +129,7 @@ def test_rows_reach_the_row_file_as_they_are_measured(tmp_path):
 
 
 def test_spread_summarises_samples():
-    from tiered_kv.tools.crossover_timing import relative_spread, spread
+    from tiered_kv.bench.timing import relative_spread, spread
 
     s = spread([3.0, 1.0, 2.0, 10.0])
     assert (s["min"], s["median"], s["max"], s["n"]) == (1.0, 2.5, 10.0, 4)
@@ -139,7 +139,7 @@ def test_spread_summarises_samples():
 
 
 def test_fit_link_recovers_a_line():
-    from tiered_kv.tools.crossover_profile import fit_link
+    from tiered_kv.bench.crossover import fit_link
 
     points = ((1e8, 1), (4e8, 2), (8e8, 9))
     samples = [(d, b, c, b / bw + c * 20e-6) for d, bw in (("D2H", 20e9), ("H2D", 25e9)) for b, c in points]
@@ -153,8 +153,8 @@ def test_fit_link_recovers_a_line():
 
 def test_fitted_crossover_finds_where_the_line_meets_the_curve():
     """Swap costs 2 us a token; recompute 1 us a token plus q * L / 2: they meet at L = 2e-6 / q = 1000."""
+    from tiered_kv.bench.crossover import fitted_crossover
     from tiered_kv.manager.cost_model import CostModel
-    from tiered_kv.tools.crossover_profile import fitted_crossover
 
     cm = CostModel(
         kv_bytes_per_token=1000,

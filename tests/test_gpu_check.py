@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 from simutil import TINY
 
+from tiered_kv.bench.gpu_check import CPU_FORM, PARTS
+from tiered_kv.bench.gpu_tests import parse
+from tiered_kv.bench.report import Deadline, Report
+from tiered_kv.bench.syncs import SyncCounter, trace_syncs
 from tiered_kv.sim.calibration import load_calibration
 from tiered_kv.sim.config import setup, validate_config
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.workload import generate
-from tiered_kv.tools.gpu_check_forms import CPU_FORM, PARTS
-from tiered_kv.tools.gpu_check_report import Deadline, Report
-from tiered_kv.tools.gpu_check_syncs import SyncCounter, trace_syncs
-from tiered_kv.tools.gpu_check_tests import parse
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,7 +148,7 @@ def test_refuses_the_gpu_form_without_cuda(tmp_path, capsys):
 
 def test_a_part_out_of_time_stops_cleanly_and_the_file_stays_valid(tmp_path):
     """The bandwidth part with a budget that runs out after a few checks: partial rows, valid JSON."""
-    from tiered_kv.tools.gpu_check_bandwidth import run_bandwidth
+    from tiered_kv.bench.bandwidth import run_bandwidth
 
     ticks = itertools.count()
     deadline = Deadline(6, clock=lambda: float(next(ticks)))  # one second per look at the clock
@@ -171,7 +171,7 @@ def test_the_hard_limit_ends_a_hung_run_and_records_why(tmp_path):
         f"""
         import time
         from pathlib import Path
-        from tiered_kv.tools.gpu_check_report import Report
+        from tiered_kv.bench.report import Report
         r = Report(Path({str(tmp_path / "r.json")!r}), {{"form": "test"}}, ["tests", "crossover"])
         r.update("tests", status="done", result={{"n": 1}})
         r.update("crossover", status="running", result={{"rows": [1, 2]}})

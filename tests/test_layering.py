@@ -1,12 +1,12 @@
 """Imports point one way (DESIGN.md): a layer imports only the layers below it.
 
 Within a layer, only these edges exist: transfer -> storage (the engines move
-storage's bytes), the manager -> the tiers (it drives the CPU store and the
-chain of stores below it; the stores never import the manager) and the command
-line -> its tools and demo.  The simulator and
-the real engine are both drivers of the scheduler and never import each other:
-the tools that compare them (crossover, fidelity) sit above both.  ``errors``
-and ``checks`` sit below every layer.
+storage's bytes) and the manager -> the tiers (it drives the CPU store and the
+chain of stores below it; the stores never import the manager).  The simulator
+and the real engine are both drivers of the scheduler and never import each
+other: the measurement rigs that compare them (``bench``: crossover, fidelity,
+gpu-check) sit above both, and the command line (``cli``) above everything.
+``errors`` and ``checks`` sit below every layer.
 """
 
 import ast
@@ -28,14 +28,12 @@ LAYER = {
     "sim": 4,
     "engine": 4,
     "demo": 5,
-    "tools": 5,
-    "cli": 5,
+    "bench": 5,
+    "cli": 6,
 }
 ALLOWED_SIDEWAYS = {
     ("transfer", "storage"),
     ("manager", "tiers"),
-    ("cli", "tools"),
-    ("cli", "demo"),
     ("__init__", "errors"),
     ("checks", "errors"),
 }

@@ -3,7 +3,7 @@
 ``simulate --trace PATH`` used to overwrite the workload trace when PATH was
 the config's ``workload.trace``, and ``simulate --json /proc/x.json`` ran the
 whole experiment before finding it could not write.  The outputs are declared
-once per command (``tiered_kv.sim.outputs.add_output``) and claimed by
+once per command (``tiered_kv.cli.outputs.add_output``) and claimed by
 ``tiered-kv`` before the command starts, so these tests walk every command's
 declared outputs rather than a list kept by hand.
 """
@@ -20,7 +20,7 @@ import yaml
 from simutil import TINY
 
 from tiered_kv.cli import COMMANDS, build_parser, main
-from tiered_kv.sim.outputs import declared_outputs
+from tiered_kv.cli.outputs import declared_outputs
 
 TRACE_ROWS = "".join(json.dumps({"arrival": t, "prompt_len": 4, "output_len": 2}) + "\n" for t in (0, 1))
 # A path no one can create a file or directory in, root included (os.access says yes there, as root).

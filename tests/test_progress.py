@@ -175,9 +175,9 @@ def test_simulate_on_a_terminal_draws_a_bar(tiny_config, columns):
 
 def test_crossover_and_fidelity_report_every_phase_step(tmp_path):
     pytest.importorskip("torch")
+    from tiered_kv.bench.crossover import crossover
+    from tiered_kv.bench.fidelity import fidelity
     from tiered_kv.engine.model import ModelConfig
-    from tiered_kv.tools.crossover import crossover
-    from tiered_kv.tools.fidelity import fidelity
 
     model = ModelConfig(
         vocab_size=64, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64

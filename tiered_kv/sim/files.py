@@ -3,7 +3,7 @@
 Inputs (configs, profiles, traces, calibrations) raise
 :class:`~tiered_kv.errors.ConfigError`; outputs (``--json``, ``--plots``)
 raise :class:`~tiered_kv.errors.OutputError`.  The checks here are the first
-half of claiming an output; :mod:`tiered_kv.sim.outputs` then creates it for
+half of claiming an output; :mod:`tiered_kv.cli.outputs` then creates it for
 real before any command runs, so a typo in ``--json`` costs nothing.
 """
 

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.sim.argtypes import choice_list
-from tiered_kv.sim.outputs import add_output
+from tiered_kv.cli.flags import choice_list
+from tiered_kv.cli.outputs import add_output
 
 NAME = "gpu-check"
 SUMMARY = "prove the CUDA half in minutes: gpu tests, bandwidth, overlap, crossover"
-PARTS = ("device", "tests", "bandwidth", "overlap", "crossover")  # tiered_kv.tools.gpu_check_forms.PARTS
+PARTS = ("device", "tests", "bandwidth", "overlap", "crossover")  # tiered_kv.bench.gpu_check.PARTS
 
 
 def _seconds(text: str) -> float:
@@ -84,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
     why = cuda_missing()
     if not args.cpu and why is not None:
         raise ConfigError(f"needs a CUDA device, but {why}; run `tiered-kv gpu-check --cpu` for the CPU form")
-    from tiered_kv.tools.gpu_check import GpuCheck, exit_status
-    from tiered_kv.tools.gpu_check_forms import CPU_FORM, GPU_FORM
+    from tiered_kv.bench.gpu_check import CPU_FORM, GPU_FORM, GpuCheck, exit_status
 
     form = CPU_FORM if args.cpu else GPU_FORM
     if args.budget_s is not None:

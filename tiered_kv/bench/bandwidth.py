@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
+from tiered_kv.bench.device import pcie_link
+from tiered_kv.bench.report import Deadline
+from tiered_kv.bench.timing import spread, sync_device
+from tiered_kv.bench.transfer import id_pattern
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import KVSpec, segment_offsets
-from tiered_kv.tools.bench_transfer import id_pattern
-from tiered_kv.tools.crossover_timing import spread, sync_device
-from tiered_kv.tools.gpu_check_device import pcie_link
-from tiered_kv.tools.gpu_check_report import Deadline
 from tiered_kv.transfer.factory import available_kinds, make_copy_engine
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
 

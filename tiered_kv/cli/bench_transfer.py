@@ -10,8 +10,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tiered_kv.sim.argtypes import choice_list, positive_int, positive_int_list
-from tiered_kv.sim.outputs import add_output
+from tiered_kv.cli.flags import choice_list, positive_int, positive_int_list
+from tiered_kv.cli.outputs import add_output
 from tiered_kv.storage.spec import LAYOUTS
 from tiered_kv.transfer.factory import ENGINE_KINDS
 
@@ -80,8 +80,8 @@ def run(args: argparse.Namespace) -> int:
             f"machine's {human_bytes(machine.memory_bytes)}; move fewer MiB per case"
         )
     torch = import_extra("torch", "this command")
+    from tiered_kv.bench.transfer import check_engines, run_cases
     from tiered_kv.storage.spec import LLAMA3_8B
-    from tiered_kv.tools.bench_transfer import check_engines, run_cases
 
     if args.engines is not None:
         check_engines(args.engines)  # before any buffer is allocated

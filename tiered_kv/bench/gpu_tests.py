@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import tiered_kv
-from tiered_kv.tools.gpu_check_report import Deadline
+from tiered_kv.bench.report import Deadline
 
 OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 # Test ids may hold spaces (parametrised messages): the outcome is the last such word before the percentage.

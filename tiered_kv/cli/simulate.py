@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.sim.argtypes import positive_int
-from tiered_kv.sim.outputs import add_output, set_inputs
+from tiered_kv.cli.flags import positive_int
+from tiered_kv.cli.outputs import add_output, set_inputs
 
 NAME = "simulate"
 SUMMARY = "simulate every run of a config on one workload"

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.sim.outputs import add_output, set_inputs
+from tiered_kv.cli.outputs import add_output, set_inputs
 
 NAME = "validate"
 SUMMARY = "compare the simulator's predictions with published measurements"

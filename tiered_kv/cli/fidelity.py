@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.sim.outputs import add_output, set_inputs
+from tiered_kv.cli.outputs import add_output, set_inputs
 
 NAME = "fidelity"
 SUMMARY = "compare the simulator's prediction with the real engine"
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     import_extra("yaml", "this command")
     load_calibration(args.calibration)  # a missing or broken calibration fails before torch is even imported
     import_extra("torch", "this command")
-    from tiered_kv.tools.fidelity import fidelity
+    from tiered_kv.bench.fidelity import fidelity
 
     with Phases("fidelity", "halves", enabled=not args.no_progress) as phases:
         doc = fidelity(args.calibration, args.config, emit=phases.wrap(print), progress=phases)

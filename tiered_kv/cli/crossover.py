@@ -5,9 +5,9 @@ Two forms:
 * ``crossover --model PROFILE (--hardware PROFILE | --calibration PATH)``:
   the user's own model.  The copy link is measured here with the model's KV
   shape; compute comes from the hardware profile's roofline or from a
-  calibration measured on the same model (:mod:`tiered_kv.tools.crossover_profile`).
+  calibration measured on the same model (:mod:`tiered_kv.bench.crossover`).
 * ``crossover`` with the model flags: a small real model, measured end to end
-  (copies, prefills and engine steps; :mod:`tiered_kv.tools.crossover`).
+  (copies, prefills and engine steps; :mod:`tiered_kv.bench.crossover`).
 
 Both repeat each point (``--repeats``) and report min/median/max, print a row
 per length as it is measured and append it to ``--rows`` (JSON Lines), and
@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.sim.argtypes import positive_int, positive_int_list, power_of_two
-from tiered_kv.sim.outputs import add_output, set_inputs
+from tiered_kv.cli.flags import positive_int, positive_int_list, power_of_two
+from tiered_kv.cli.outputs import add_output, set_inputs
 from tiered_kv.storage.spec import LAYOUTS
 
 NAME = "crossover"
@@ -227,16 +227,16 @@ def _run_profile(args: argparse.Namespace) -> int:
     cal = load_calibration(args.calibration) if args.calibration is not None else None
     _check_outputs(args)
     torch = import_extra("torch", "this command")
-    from tiered_kv.sim.progress import Phases
-    from tiered_kv.tools.crossover_link import check_tiers_fit
-    from tiered_kv.tools.crossover_profile import (
+    from tiered_kv.bench.crossover import (
         PROFILE_LENGTHS,
         compute_from_calibration,
         compute_from_roofline,
         model_spec,
         profile_crossover,
     )
-    from tiered_kv.tools.crossover_timing import RowFile
+    from tiered_kv.bench.link import check_tiers_fit
+    from tiered_kv.bench.timing import RowFile
+    from tiered_kv.sim.progress import Phases
 
     lengths = _lengths(args, PROFILE_LENGTHS)
     compute = (
@@ -274,7 +274,7 @@ def _write(args: argparse.Namespace, doc: dict[str, Any], calibration: Any) -> N
         write_text(args.json, json.dumps(doc, indent=1), "--json")
         print(f"wrote {args.json}")
     if args.plots is not None:
-        from tiered_kv.tools.crossover import plot
+        from tiered_kv.bench.crossover import plot
 
         print(f"wrote {plot(doc, args.plots)}")
 
@@ -291,11 +291,11 @@ def _run_small(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-tokens: the shortest context measured is 256 tokens, got {args.max_tokens}")
     _check_outputs(args)
     torch = import_extra("torch", "this command")
+    from tiered_kv.bench.crossover import crossover, default_lengths
+    from tiered_kv.bench.link import check_tiers_fit
+    from tiered_kv.bench.timing import RowFile
     from tiered_kv.engine.model import ModelConfig
     from tiered_kv.storage.spec import DTYPE_BYTES
-    from tiered_kv.tools.crossover import crossover, default_lengths
-    from tiered_kv.tools.crossover_link import check_tiers_fit
-    from tiered_kv.tools.crossover_timing import RowFile
 
     config = ModelConfig(
         hidden_size=args.hidden,

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+from tiered_kv.bench.timing import spread, sync_device
 from tiered_kv.errors import ResourceLimitError
 from tiered_kv.sim.budget import human_bytes
 from tiered_kv.storage.kv_storage import KVStorage, available_host_bytes
 from tiered_kv.storage.spec import KVSpec
-from tiered_kv.tools.crossover_timing import spread, sync_device
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
 
 #: Left free beside the tiers (the interpreter, torch, the model's activations on a CPU).

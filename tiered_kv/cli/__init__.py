@@ -1,12 +1,18 @@
-"""The ``tiered-kv`` command line.
+"""The ``tiered-kv`` command line: the top layer, one module per command.
 
-Each subcommand registers its own parser from the module that owns it; this
-module only assembles them, claims every declared output before the command
-runs (:mod:`tiered_kv.sim.outputs`: an output is never an input, and an
-unwritable one fails before any work), and turns every failure into one line
-on stderr and exit status 2 (``--debug`` shows the traceback instead).  Registering
-imports neither torch nor PyYAML, so ``tiered-kv --help`` and ``--version``
-work on a base install.
+Each command module (``simulate``, ``sweep``, ``validate``, ``trace``,
+``crossover``, ``fidelity``, ``bench_transfer``, ``gpu_check``, and the
+``demo``) has ``NAME``, ``SUMMARY``, ``register(subparsers, parents)`` and the
+``run`` that ``register`` binds.  The flags they share and their value types
+live in :mod:`tiered_kv.cli.flags`; their output options are declared and
+claimed by :mod:`tiered_kv.cli.outputs`.  This module assembles the parsers,
+claims every declared output before the command runs (an output is never an
+input, and an unwritable one fails before any work), and turns every failure
+into one line on stderr and exit status 2 (``--debug`` shows the traceback
+instead).  Registering imports neither torch nor PyYAML, so ``tiered-kv
+--help`` and ``--version`` work on a base install.
+
+A new command: a module here with those three names, added to ``COMMANDS``.
 """
 
 from __future__ import annotations
@@ -17,10 +23,9 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from tiered_kv import __version__, demo
+from tiered_kv.cli import bench_transfer, crossover, fidelity, gpu_check, simulate, sweep, trace, validate
+from tiered_kv.cli.outputs import claim_outputs
 from tiered_kv.errors import TieredKVError
-from tiered_kv.sim import simulate_cmd, sweep_cmd, trace_cmd, validate_cmd
-from tiered_kv.sim.outputs import claim_outputs
-from tiered_kv.tools import bench_transfer_cmd, crossover_cmd, fidelity_cmd, gpu_check_cmd
 
 PROG = "tiered-kv"
 
@@ -37,14 +42,14 @@ class _TopFormatter(argparse.RawDescriptionHelpFormatter, _Formatter):
 
 
 COMMANDS = (
-    simulate_cmd,
-    sweep_cmd,
-    validate_cmd,
-    trace_cmd,
-    crossover_cmd,
-    fidelity_cmd,
-    bench_transfer_cmd,
-    gpu_check_cmd,
+    simulate,
+    sweep,
+    validate,
+    trace,
+    crossover,
+    fidelity,
+    bench_transfer,
+    gpu_check,
     demo,
 )
 
@@ -100,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     where = f"{PROG} {args.command}"
     try:
-        # Every output option of every command, before the command starts (tiered_kv.sim.outputs).
+        # Every output option of every command, before the command starts (tiered_kv.cli.outputs).
         claim_outputs(args)
         return args.func(args)
     except KeyboardInterrupt:
@@ -123,7 +128,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         what = f"{type(exc).__name__}: {_one_line(str(exc))}"
         print(f"{where}: internal error: {what} (rerun with --debug for the traceback)", file=sys.stderr)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
