@@ -1,24 +1,39 @@
 """``tiered-kv crossover``: where does swapping beat recomputing, on this hardware?
 
-For context lengths from 256 tokens up to what fits, with the real model and
-the real copy engine, it measures:
+One question, three ways to measure it, one step-model fit (:func:`fit_steps`)
+and one device sync path (:func:`~tiered_kv.bench.timing.sync_device`):
 
-* swap-out time (GPU tier -> CPU tier) and swap-in time (back, into other blocks);
-* swap time with compute running beside it (a decode loop on another request);
-* recompute time (a prefill of the whole context).
+* **the built-in small model, end to end** (:func:`crossover`).  For context
+  lengths from 256 tokens up to what fits, with the real model and the real
+  copy engine: swap-out time (GPU tier -> CPU tier), swap-in time (back, into
+  other blocks), both with compute running beside them (a decode loop on
+  another request), and recompute time (a prefill of the whole context).  The
+  step model is fitted on real engine steps (:func:`fit_step_model`).
+* **a real model's exact shape** (:func:`real_crossover`, gpu-check's crossover
+  part).  The model is :class:`~tiered_kv.bench.model.RandomLlama` (random
+  weights drawn on the device, nothing downloaded; on a GPU, Llama-3-8B's shape
+  in bf16).  Recompute is a prefill through every layer writing its KV into the
+  paged GPU tier, timed with events on the compute stream; then decode steps of
+  a few batch sizes and contexts, so the step model (``intercept + per_token *
+  tokens + per_attn_unit * attention units + per_kv_token * KV tokens + per_seq
+  * requests``) is fitted on prefill and decode steps of the real shape.
+  Lengths whose tiers, weights and activations do not fit in memory are left
+  out before anything is allocated, and the result says which and why.
+* **the user's model profile** (:func:`profile_crossover`, ``--model``).  The
+  copy link is measured here with the model's KV shape (layers x KV heads per
+  GPU x head dim x dtype); on a machine without a GPU both tiers are in host
+  memory and the output says so (that link is memory bandwidth, not PCIe).
+  Recompute is priced by a calibration measured on the *same* model, or by the
+  hardware profile's roofline at ``--mfu``, exactly as the simulator and the
+  manager's :class:`~tiered_kv.manager.cost_model.CostModel` price it.  The
+  answer is given per measured length and as the length where the fitted link
+  line and the compute curve cross, which needs no measured point to land on it.
 
-Each point runs once untimed, then ``repeats`` times; a row carries the
-median and the spread (min/median/max) and is handed to a row file as soon as
-it is measured.  It prints a table with the winner per length and the
-crossover point, plots it, and writes a calibration file: the manager's cost
-model (bandwidth per direction, per-copy overhead, prefill curve) fitted to
-these measurements, and
-the engine's step-time model fitted to real engine steps, for
-``tiered-kv simulate --calibration`` and the cost-aware policy.
-
-This measures the built-in small model end to end.  For a user's model
-profile, see :mod:`tiered_kv.bench.crossover`; at a real model's size
-on a GPU, :mod:`tiered_kv.bench.crossover`.
+Each point runs once untimed, then ``repeats`` times; a row carries the median
+and the spread (min/median/max) and is handed to a row file as soon as it is
+measured.  Each form writes a calibration (the cost model fitted to these
+measurements, a step model, the model's shape) for ``tiered-kv simulate
+--calibration`` and the cost-aware victim policy.
 """
 
 from __future__ import annotations
@@ -36,7 +51,7 @@ import torch
 
 from tiered_kv.bench.link import SwapTimer, blocks_for, check_tiers_fit, link_name, make_tiers
 from tiered_kv.bench.model import LlamaShape, RandomLlama
-from tiered_kv.bench.timing import RowFile, Stopwatch, relative_spread, spread
+from tiered_kv.bench.timing import RowFile, Stopwatch, relative_spread, spread, sync_device
 from tiered_kv.engine.engine import Engine
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.errors import ConfigError, ResourceLimitError
@@ -50,12 +65,22 @@ from tiered_kv.storage.spec import KVSpec
 from tiered_kv.transfer.factory import make_copy_engine
 from tiered_kv.transfer.plan import PlanKind, TransferHandle, TransferPlan
 
-# The bench of ``tiered-kv crossover``: two tiers, the copy engine and the model, timing one operation at a time.
+
+def fit_steps(samples: list[tuple[float, float, float, float, float]]) -> tuple[tuple[float, ...], float]:
+    """Non-negative least squares of step seconds on the five step-model terms, weighted by relative error.
+
+    ``samples`` are ``(tokens, attention units, KV tokens, requests, seconds)``; returns the
+    coefficients and the mean relative error of the fit on them.
+    """
+    feats = [[1.0, t, a, kv, r] for t, a, kv, r, _ in samples]
+    ys = [y for *_, y in samples]
+    coef = nnls([[v / y for v in x] for x, y in zip(feats, ys, strict=True)], [1.0] * len(ys))
+    pred = [sum(c * v for c, v in zip(coef, x, strict=True)) for x in feats]
+    err = sum(abs(p - y) / y for p, y in zip(pred, ys, strict=True)) / len(ys)
+    return tuple(coef), err
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.current_stream().synchronize()  # measurement boundary only
+# The small model: two tiers, the copy engine and the model, timing one operation at a time.
 
 
 class SwapRig:
@@ -96,7 +121,7 @@ class SwapRig:
 
     def transfer(self, src_m: str, dst_m: str, src: list[int], dst: list[int]) -> float:
         """Seconds from submitting one copy, nothing else queued, until it has landed."""
-        _sync(self.device)
+        sync_device(self.device)
         t0 = time.perf_counter()
         h = self.submit(src_m, dst_m, src, dst)
         if not h.wait(60):
@@ -109,7 +134,7 @@ class SwapRig:
         Timed by the copies' own completion stamps (set when each finishes), so the
         result is not rounded up to whole decode steps.
         """
-        _sync(self.device)
+        sync_device(self.device)
         handles = [self.submit("GPU", "CPU", table, table), self.submit("CPU", "GPU", table, other)]
         while not all(h.done() for h in handles):
             self.model.forward_chunk([1], 255, self.scratch, self.tiers["GPU"])  # one decode step
@@ -120,10 +145,10 @@ class SwapRig:
 
     def prefill(self, tokens: list[int], table: list[int]) -> float:
         """Seconds of a prefill of ``tokens`` into the blocks of ``table``: the recompute."""
-        _sync(self.device)
+        sync_device(self.device)
         t0 = time.perf_counter()
         self.model.forward_chunk(tokens, 0, table, self.tiers["GPU"])
-        _sync(self.device)
+        sync_device(self.device)
         return time.perf_counter() - t0
 
     def point(self, fn: Callable[[], float]) -> dict[str, Any]:
@@ -274,12 +299,8 @@ def fit_step_model(
         steps.extend(e.stats.step_log)
         if progress is not None:
             progress(phase, k, len(runs))
-    feats = [[1.0, float(t), float(a), float(kv), float(k)] for t, a, kv, k, _dt, _c in steps]
-    ys = [dt for *_, dt, _c in steps]
-    coef = nnls([[v / y for v in x] for x, y in zip(feats, ys, strict=True)], [1.0] * len(ys))
-    pred = [sum(c * v for c, v in zip(coef, x, strict=True)) for x in feats]
-    err = sum(abs(p - y) / y for p, y in zip(pred, ys, strict=True)) / len(ys)
-    return tuple(coef), err  # type: ignore[return-value]
+    coef, err = fit_steps([(float(t), float(a), float(kv), float(k), dt) for t, a, kv, k, dt, _c in steps])
+    return coef, err  # type: ignore[return-value]
 
 
 def default_lengths(config: ModelConfig, max_tokens: int | None = None) -> list[int]:
@@ -418,26 +439,7 @@ def plot(doc: dict[str, Any], outdir: Path) -> Path:
     return path
 
 
-# Crossover at real size: swap-out + swap-in against recompute for a model of a real model's exact shape.
-#
-# The model is :class:`~tiered_kv.bench.model.RandomLlama` (random
-# weights drawn on the device, nothing downloaded; on a GPU, Llama-3-8B's shape
-# in bf16).  For each context length it measures, each repeated and reported as
-# min / median / max:
-#
-# * recompute: a prefill of the whole context through every layer, writing its
-#   KV into the paged GPU tier (timed with events on the compute stream);
-# * swap-out and swap-in of that KV through the real copy engine.
-#
-# Then decode steps of a few batch sizes and contexts, so the step model
-# (``intercept + per_token * tokens + per_attn_unit * attention units +
-# per_kv_token * KV tokens + per_seq * requests``) can be fitted on prefill and
-# decode steps of the real shape.  The calibration file it writes (cost model:
-# fitted link and prefill curve; step model; the model's shape) feeds
-# ``tiered-kv simulate --calibration``.
-#
-# Lengths whose tiers, weights and activations do not fit in memory are left
-# out before anything is allocated, and the result says which and why.
+# The real shape: RandomLlama, prefills and decode steps timed on the compute stream.
 
 
 def activation_bytes(shape: LlamaShape, tokens: int) -> int:
@@ -473,20 +475,6 @@ def lengths_that_fit(
         except ResourceLimitError as exc:
             dropped.append({"tokens": keep.pop(), "why": str(exc)})
     return keep, dropped
-
-
-def fit_steps(samples: list[tuple[float, float, float, float, float]]) -> tuple[tuple[float, ...], float]:
-    """Non-negative least squares of step seconds on the five step-model terms, weighted by relative error.
-
-    ``samples`` are ``(tokens, attention units, KV tokens, requests, seconds)``; returns the
-    coefficients and the mean relative error of the fit on them.
-    """
-    feats = [[1.0, t, a, kv, r] for t, a, kv, r, _ in samples]
-    ys = [y for *_, y in samples]
-    coef = nnls([[v / y for v in x] for x, y in zip(feats, ys, strict=True)], [1.0] * len(ys))
-    pred = [sum(c * v for c, v in zip(coef, x, strict=True)) for x in feats]
-    err = sum(abs(p - y) / y for p, y in zip(pred, ys, strict=True)) / len(ys)
-    return tuple(coef), err
 
 
 def real_crossover(
@@ -687,29 +675,7 @@ def _calibrate(
     return cal
 
 
-# ``tiered-kv crossover --model PROFILE``: swap or recompute for the user's own model, and from which length.
-#
-# The copy link is measured here, on this machine, with the model's KV shape
-# (layers x KV heads per GPU x head dim x dtype, from the model profile):
-# swap-out and swap-in of a request's blocks through the real copy engine, each
-# point repeated and reported as min / median / max.  On a machine without a
-# GPU the two tiers are both in host memory and the output says so: that link
-# is memory bandwidth, not PCIe.
-#
-# Compute, the cost of recomputing a context, comes from one of:
-#
-# * ``--calibration``: a calibration measured on the *same* model (its prefill
-#   curve; ``tiered-kv gpu-check`` writes one for Llama-3-8B on a GPU);
-# * ``--hardware``: the hardware profile's roofline at ``--mfu``, priced exactly
-#   as the simulator and the manager's :class:`~tiered_kv.manager.cost_model.CostModel` price it.
-#
-# The answer is given twice: per measured length (median swap-out + swap-in
-# against recompute), and as the length where the fitted link line and the
-# compute curve cross, which needs no measured point to land on it.
-#
-# The calibration it writes carries the user's model (per GPU), the measured
-# link, the compute source's prefill curve and a step model, so
-# ``tiered-kv simulate --calibration`` simulates *this* model on *this* link.
+# The user's model profile: the link measured here, compute from a calibration or a roofline.
 
 #: Default context lengths for a user's model (the issue's 512 to 32k).
 PROFILE_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)

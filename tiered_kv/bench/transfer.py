@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from tiered_kv.bench.timing import sync_device
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import LAYOUTS, LLAMA3_8B, KVSpec
@@ -29,8 +30,8 @@ GB = 1e9
 
 
 def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.current_stream().synchronize()  # benchmark timing only, not library code
+    if torch.cuda.is_available():  # the GPU tier is on the device exactly when there is one
+        sync_device("cuda")
 
 
 def _best(fn: Callable[[], float], repeats: int) -> float:
