@@ -10,8 +10,15 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tiered_kv.cli.flags import choice_list, positive_int, positive_int_list
-from tiered_kv.cli.outputs import add_output
+from tiered_kv.cli.flags import (
+    add_json,
+    add_repeats,
+    choice_list,
+    command,
+    positive_int,
+    positive_int_list,
+    refuse_over_half_memory,
+)
 from tiered_kv.storage.spec import LAYOUTS
 from tiered_kv.transfer.factory import ENGINE_KINDS
 
@@ -24,16 +31,18 @@ TIER_BYTES_PER_CASE_BYTE = 8
 
 def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``bench-transfer`` to the ``tiered-kv`` parser."""
-    p = subparsers.add_parser(
+    p = command(
+        subparsers,
+        parents,
         NAME,
-        parents=parents,
-        help=SUMMARY,
-        description=(
+        SUMMARY,
+        (
             "For each layout, block size, id pattern and direction, time the copy engine and, in the same run, "
             "one contiguous copy of the same bytes between the same tiers.  Needs torch."
         ),
+        run,
     )
-    add_output(p, "--json", metavar="PATH", help="write one JSON row per case to this file")
+    add_json(p, "write one JSON row per case to this file")
     p.add_argument(
         "--mib", type=positive_int, default=128, metavar="N", help="MiB moved per case and direction (default: 128)"
     )
@@ -59,26 +68,16 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         help="copy engines, comma-separated, from cpu, cuda, cupy; cuda and cupy need a GPU "
         "(default: what this machine has)",
     )
-    p.add_argument(
-        "--repeats", type=positive_int, default=3, metavar="N", help="best of N per measurement (default: 3)"
-    )
-    p.set_defaults(func=run)
+    add_repeats(p, 3, "best of N per measurement (default: 3)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from tiered_kv.errors import ResourceLimitError
-    from tiered_kv.sim.budget import Machine, human_bytes
     from tiered_kv.sim.extras import import_extra
     from tiered_kv.sim.files import write_text
 
-    machine = Machine.this()
     need = TIER_BYTES_PER_CASE_BYTE * (args.mib << 20)
-    if machine.memory_bytes is not None and need > machine.memory_bytes // 2:
-        raise ResourceLimitError(
-            f"--mib {args.mib}: the tiers for one case take about {human_bytes(need)}, more than half of this "
-            f"machine's {human_bytes(machine.memory_bytes)}; move fewer MiB per case"
-        )
+    refuse_over_half_memory(need, f"--mib {args.mib}: the tiers for one case take about", "move fewer MiB per case")
     torch = import_extra("torch", "this command")
     from tiered_kv.bench.transfer import check_engines, run_cases
     from tiered_kv.storage.spec import LLAMA3_8B

@@ -21,13 +21,27 @@ arguments are known to be good.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.cli.flags import positive_int, positive_int_list, power_of_two
-from tiered_kv.cli.outputs import add_output, set_inputs
+from tiered_kv.cli.flags import (
+    add_calibration,
+    add_json,
+    add_no_progress,
+    add_plots,
+    add_repeats,
+    command,
+    fraction,
+    here,
+    need_extras,
+    positive_int,
+    positive_int_list,
+    power_of_two,
+    refuse_over_half_memory,
+    write_json,
+)
+from tiered_kv.cli.outputs import add_output
 from tiered_kv.storage.spec import LAYOUTS
 
 NAME = "crossover"
@@ -37,36 +51,27 @@ DTYPES = ("float32", "float16", "bfloat16")  # what the model computes in (the K
 SMALL_MODEL = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 32, "dtype": "float32"}
 
 
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {v}")
-    return v
-
-
 def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``crossover`` to the ``tiered-kv`` parser."""
-    p = subparsers.add_parser(
+    p = command(
+        subparsers,
+        parents,
         NAME,
-        parents=parents,
-        help=SUMMARY,
-        description=(
+        SUMMARY,
+        (
             "Answer 'swap or recompute, and from which context length'.  With --model, for your model: the copy "
             "link is measured here with its KV shape, compute comes from --hardware (roofline) or --calibration "
             "(measured on the same model).  Without --model, a small real model is measured end to end (copies, "
             "prefills, engine steps).  Each point is repeated and reported as min/median/max; each row is saved "
             "as it is measured; a calibration file is written for `tiered-kv simulate --calibration`.  Needs torch."
         ),
+        run,
+        inputs,
     )
     _add_output_flags(p)
     _add_model_flags(p)
     _add_measurement_flags(p)
-    p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
-    p.set_defaults(func=run)
-    set_inputs(p, inputs)
+    add_no_progress(p)
     return p
 
 
@@ -79,7 +84,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="where to write the calibration (default: %(default)s)",
     )
-    add_output(p, "--json", metavar="PATH", help="also write every measurement (JSON) to this file")
+    add_json(p, "also write every measurement (JSON) to this file")
     add_output(
         p,
         "--rows",
@@ -88,7 +93,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
         help="append each measured row to this JSON Lines file as it is measured "
         "(default: beside --calibration-out, NAME-rows.jsonl)",
     )
-    add_output(p, "--plots", "dir", metavar="DIR", help="write crossover.png into this directory")
+    add_plots(p, "write crossover.png into this directory")
 
 
 def inputs(args: argparse.Namespace) -> list[Path]:
@@ -112,14 +117,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         metavar="PROFILE",
         help="a hardware profile (h200, or a YAML file) whose roofline prices recompute",
     )
+    add_calibration(u, "price recompute by this calibration instead (it must be measured on the same model)")
     u.add_argument(
-        "--calibration",
-        type=Path,
-        metavar="PATH",
-        help="price recompute by this calibration instead (it must be measured on the same model)",
-    )
-    u.add_argument(
-        "--mfu", type=_fraction, default=0.5, metavar="X", help="roofline model-FLOPs utilisation (default: 0.5)"
+        "--mfu", type=fraction, default=0.5, metavar="X", help="roofline model-FLOPs utilisation (default: 0.5)"
     )
     u.add_argument(
         "--lengths",
@@ -153,13 +153,7 @@ def _add_measurement_flags(p: argparse.ArgumentParser) -> None:
         help="longest context to measure (default: 32768 with --model; what fits in 512 MiB of attention "
         "scores without)",
     )
-    k.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=3,
-        metavar="N",
-        help="timed runs per point, after one untimed; min/median/max reported (default: %(default)s)",
-    )
+    add_repeats(k, 3, "timed runs per point, after one untimed; min/median/max reported (default: %(default)s)")
 
 
 def _rows_path(args: argparse.Namespace) -> Path:
@@ -167,14 +161,6 @@ def _rows_path(args: argparse.Namespace) -> Path:
         return args.rows
     out: Path = args.calibration_out
     return out.with_name(f"{out.stem}-rows.jsonl")
-
-
-def _check_outputs(args: argparse.Namespace) -> None:
-    """The extras the outputs need (the paths themselves were claimed before the command ran)."""
-    from tiered_kv.sim.extras import import_extra
-
-    if args.plots is not None:
-        import_extra("matplotlib", "--plots")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,7 +211,7 @@ def _run_profile(args: argparse.Namespace) -> int:
     model = load_model(args.model, "--model")
     hardware = load_hardware(args.hardware, "--hardware") if args.hardware is not None else None
     cal = load_calibration(args.calibration) if args.calibration is not None else None
-    _check_outputs(args)
+    need_extras((args.plots, "matplotlib", "--plots"))  # the path itself was claimed before the command ran
     torch = import_extra("torch", "this command")
     from tiered_kv.bench.crossover import (
         PROFILE_LENGTHS,
@@ -244,7 +230,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         if cal is not None
         else compute_from_roofline(model, hardware, args.mfu)  # type: ignore[arg-type]
     )
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = here(torch)
     check_tiers_fit(model_spec(model, args.block_size), max(lengths), device, f"crossover for {model.name}")
     with RowFile(_rows_path(args)) as rows, Phases("crossover", enabled=not args.no_progress) as phases:
         doc, calibration = profile_crossover(
@@ -265,14 +251,10 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _write(args: argparse.Namespace, doc: dict[str, Any], calibration: Any) -> None:
-    from tiered_kv.sim.files import write_text
-
     calibration.save(args.calibration_out)
     print(f"wrote calibration {args.calibration_out}")
     print(f"wrote rows {_rows_path(args)}")
-    if args.json is not None:
-        write_text(args.json, json.dumps(doc, indent=1), "--json")
-        print(f"wrote {args.json}")
+    write_json(args.json, doc)
     if args.plots is not None:
         from tiered_kv.bench.crossover import plot
 
@@ -280,8 +262,7 @@ def _write(args: argparse.Namespace, doc: dict[str, Any], calibration: Any) -> N
 
 
 def _run_small(args: argparse.Namespace) -> int:
-    from tiered_kv.errors import ConfigError, ResourceLimitError
-    from tiered_kv.sim.budget import Machine, human_bytes
+    from tiered_kv.errors import ConfigError
     from tiered_kv.sim.extras import import_extra
     from tiered_kv.sim.progress import Phases
 
@@ -289,7 +270,7 @@ def _run_small(args: argparse.Namespace) -> int:
         raise ConfigError(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
     if args.max_tokens is not None and args.max_tokens < 256:
         raise ConfigError(f"--max-tokens: the shortest context measured is 256 tokens, got {args.max_tokens}")
-    _check_outputs(args)
+    need_extras((args.plots, "matplotlib", "--plots"))  # the path itself was claimed before the command ran
     torch = import_extra("torch", "this command")
     from tiered_kv.bench.crossover import crossover, default_lengths
     from tiered_kv.bench.link import check_tiers_fit
@@ -307,14 +288,9 @@ def _run_small(args: argparse.Namespace) -> int:
         dtype=args.dtype,
     )
     weights = config.num_params * DTYPE_BYTES[args.dtype]
-    machine = Machine.this()
-    if machine.memory_bytes is not None and weights > machine.memory_bytes // 2:
-        raise ResourceLimitError(
-            f"--hidden/--layers: the model's weights alone take {human_bytes(weights)}, more than half of this "
-            f"machine's {human_bytes(machine.memory_bytes)}; measure a smaller model"
-        )
+    refuse_over_half_memory(weights, "--hidden/--layers: the model's weights alone take", "measure a smaller model")
     lengths = default_lengths(config, args.max_tokens)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = here(torch)
     # Two contexts' worth of GPU blocks (swap-in lands in other blocks) next to the weights and one
     # prefill's attention scores (heads x L^2 floats).
     scores = 4 * config.num_heads * max(lengths) ** 2

@@ -7,12 +7,19 @@ Importing this module imports neither torch nor the engine (``tiered-kv
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.cli.outputs import add_output, set_inputs
+from tiered_kv.cli.flags import (
+    add_calibration,
+    add_config,
+    add_json,
+    add_no_progress,
+    command,
+    config_inputs,
+    write_json,
+)
 
 NAME = "fidelity"
 SUMMARY = "compare the simulator's prediction with the real engine"
@@ -20,49 +27,36 @@ SUMMARY = "compare the simulator's prediction with the real engine"
 
 def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``fidelity`` to the ``tiered-kv`` parser."""
-    p = subparsers.add_parser(
+    p = command(
+        subparsers,
+        parents,
         NAME,
-        parents=parents,
-        help=SUMMARY,
-        description=(
+        SUMMARY,
+        (
             "Simulate every run of a config with a calibrated cost model, serve the same workload on the real "
             "engine in real time, and report predicted against measured throughput, transfer and recompute "
             "time.  Needs torch and the sim extra, and a calibration from `tiered-kv crossover`."
         ),
+        run,
+        inputs,
     )
-    p.add_argument(
-        "config",
-        nargs="?",
-        default=None,
-        help="a YAML config file or the name of a shipped config (default: fidelity-tiny)",
+    add_config(p, "a YAML config file or the name of a shipped config (default: fidelity-tiny)")
+    add_calibration(
+        p, "the calibration written by `tiered-kv crossover` (default: %(default)s)", Path("out/calibration.json")
     )
-    p.add_argument(
-        "--calibration",
-        type=Path,
-        default=Path("out/calibration.json"),
-        metavar="PATH",
-        help="the calibration written by `tiered-kv crossover` (default: %(default)s)",
-    )
-    add_output(p, "--json", metavar="PATH", help="write predicted and measured rows (JSON) to this file")
-    p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
-    p.set_defaults(func=run)
-    set_inputs(p, inputs)
+    add_json(p, "write predicted and measured rows (JSON) to this file")
+    add_no_progress(p)
     return p
 
 
 def inputs(args: argparse.Namespace) -> list[Path]:
-    """What a comparison reads: the calibration, the config and what it names."""
-    from tiered_kv.sim.config import input_files
-    from tiered_kv.sim.extras import import_extra
-
-    import_extra("yaml", "this command")
-    return [args.calibration, *input_files(args.config if args.config is not None else "fidelity-tiny")]
+    """What a comparison reads: the config and what it names, and the calibration."""
+    return config_inputs(args.config if args.config is not None else "fidelity-tiny", args.calibration)
 
 
 def run(args: argparse.Namespace) -> int:
     from tiered_kv.sim.calibration import load_calibration
     from tiered_kv.sim.extras import import_extra
-    from tiered_kv.sim.files import write_text
     from tiered_kv.sim.progress import Phases
 
     import_extra("yaml", "this command")
@@ -72,7 +66,5 @@ def run(args: argparse.Namespace) -> int:
 
     with Phases("fidelity", "halves", enabled=not args.no_progress) as phases:
         doc = fidelity(args.calibration, args.config, emit=phases.wrap(print), progress=phases)
-    if args.json is not None:
-        write_text(args.json, json.dumps(doc, indent=1), "--json")
-        print(f"wrote {args.json}")
+    write_json(args.json, doc)
     return 0

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.cli.flags import choice_list
+from tiered_kv.cli.flags import choice_list, command, seconds
 from tiered_kv.cli.outputs import add_output
 
 NAME = "gpu-check"
@@ -19,23 +19,14 @@ SUMMARY = "prove the CUDA half in minutes: gpu tests, bandwidth, overlap, crosso
 PARTS = ("device", "tests", "bandwidth", "overlap", "crossover")  # tiered_kv.bench.gpu_check.PARTS
 
 
-def _seconds(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text}")
-    return v
-
-
 def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``gpu-check`` to the ``tiered-kv`` parser."""
-    p = subparsers.add_parser(
+    p = command(
+        subparsers,
+        parents,
         NAME,
-        parents=parents,
-        help=SUMMARY,
-        description=(
+        SUMMARY,
+        (
             "Run, in order, each within its share of the time budget and saved as soon as measured: device facts; "
             "the tests marked gpu; copy bandwidth of every engine, layout, block size and id pattern against one "
             "contiguous copy and a per-block copy loop; compute beside swaps with host synchronisations counted "
@@ -44,6 +35,7 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
             "pytest-gpu.log, crossover.jsonl and calibration.json.  Needs a CUDA device; --cpu runs a small form "
             "of every part on any machine.  Exit status 0 when every part finished and every test passed."
         ),
+        run,
     )
     add_output(
         p,
@@ -58,7 +50,7 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
     )
     p.add_argument(
         "--budget-s",
-        type=_seconds,
+        type=seconds,
         default=None,
         metavar="S",
         help="the whole command's time budget, shared out among the parts (default: 480 on a GPU, 60 with --cpu)",
@@ -70,7 +62,6 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         metavar="NAME,...",
         help=f"run only these parts, from {', '.join(PARTS)} (default: all, in that order)",
     )
-    p.set_defaults(func=run)
     return p
 
 

@@ -7,8 +7,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.cli.flags import positive_int
-from tiered_kv.cli.outputs import add_output, set_inputs
+from tiered_kv.cli.flags import (
+    add_calibration,
+    add_config,
+    add_json,
+    add_no_progress,
+    add_plots,
+    add_workers,
+    command,
+    config_inputs,
+    need_extras,
+)
+from tiered_kv.cli.outputs import add_output
 
 NAME = "simulate"
 SUMMARY = "simulate every run of a config on one workload"
@@ -16,32 +26,28 @@ SUMMARY = "simulate every run of a config on one workload"
 
 def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``simulate`` to the ``tiered-kv`` parser (imports nothing heavy: ``--help`` works on a base install)."""
-    p = subparsers.add_parser(
+    p = command(
+        subparsers,
+        parents,
         NAME,
-        parents=parents,
-        help=SUMMARY,
-        description=(
+        SUMMARY,
+        (
             "Simulate every entry of a config's `runs:` on one workload with the real tier manager "
             "and scheduler, then print a comparison table.  No output may be an input of the run (the config, "
             "its profiles, the workload trace, the calibration), and every output is created before the first "
             "step.  Needs the sim extra."
         ),
+        run,
+        inputs,
     )
-    p.add_argument(
-        "config",
-        nargs="?",
-        default=None,
-        help="a YAML config file, or the name of a shipped config such as fidelity-tiny "
+    add_config(
+        p,
+        "a YAML config file, or the name of a shipped config such as fidelity-tiny "
         "(default: oversubscribed-llama3-8b-h200, the main experiment)",
     )
-    add_output(p, "--json", metavar="PATH", help="write the results document (JSON) to this file")
-    add_output(p, "--plots", "dir", metavar="DIR", help="write PNG plots into this directory")
-    p.add_argument(
-        "--calibration",
-        type=Path,
-        metavar="PATH",
-        help="simulate with the cost model measured by `tiered-kv crossover` (a calibration JSON file)",
-    )
+    add_json(p, "write the results document (JSON) to this file")
+    add_plots(p, "write PNG plots into this directory")
+    add_calibration(p, "simulate with the cost model measured by `tiered-kv crossover` (a calibration JSON file)")
     add_output(
         p,
         "--metrics",
@@ -64,16 +70,8 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         "both directions",
     )
     p.add_argument("--trace", action=_Renamed, nargs="?", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--workers",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="simulate the runs in N processes on this machine (default: 1; the results are the same)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="print no progress bar or progress lines")
-    p.set_defaults(func=run)
-    set_inputs(p, inputs)
+    add_workers(p, "simulate the runs in N processes on this machine (default: 1; the results are the same)")
+    add_no_progress(p)
     return p
 
 
@@ -86,11 +84,7 @@ class _Renamed(argparse.Action):
 
 def inputs(args: argparse.Namespace) -> list[Path]:
     """What a run reads: the config, its profiles and trace, and the calibration."""
-    from tiered_kv.sim.config import input_files
-    from tiered_kv.sim.extras import import_extra
-
-    import_extra("yaml", "this command")
-    return [*input_files(args.config), *([args.calibration] if args.calibration is not None else [])]
+    return config_inputs(args.config, args.calibration)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
     from tiered_kv.sim.extras import import_extra
 
     import_extra("yaml", "this command")
-    if args.metrics is not None:
-        import_extra("prometheus_client", "--metrics")
-    if args.plots is not None:
-        import_extra("matplotlib", "--plots")
+    need_extras(
+        (args.metrics, "prometheus_client", "--metrics"),
+        (args.plots, "matplotlib", "--plots"),
+    )
     from tiered_kv.sim.runner import simulate
 
     simulate(

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.cli.flags import positive_float, positive_int
+from tiered_kv.cli.flags import command, positive_float, positive_int, time_window
 from tiered_kv.cli.outputs import add_output, set_inputs
 
 NAME = "trace"
@@ -15,28 +15,19 @@ SUMMARY = "inspect, convert or sample a trace (jsonl, mooncake, azure, burstgpt,
 FORMATS = ("jsonl", "mooncake", "azure", "burstgpt", "sharegpt")  # trace_formats.FORMATS, without importing it
 
 
-def _window(text: str) -> tuple[float, float]:
-    parts = text.split(":")
-    try:
-        a, b = (float(p) for p in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be START:END in seconds, got {text!r}") from None
-    if not 0 <= a < b or b == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be START:END seconds with 0 <= START < END, got {text!r}")
-    return a, b
-
-
 def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``trace`` and its three actions to the ``tiered-kv`` parser (imports nothing heavy)."""
-    p = subparsers.add_parser(
+    p = command(
+        subparsers,
+        parents,
         NAME,
-        parents=parents,
-        help=SUMMARY,
-        description=(
+        SUMMARY,
+        (
             "Read a trace in one of the public formats (see tiered_kv/sim/trace_formats.py): print what it "
             "offers, convert it to another format, or cut a sample of it.  Rows that cannot be replayed "
             "(0 output tokens, empty fields) are counted and reported; a malformed row stops with its line."
         ),
+        None,
     )
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     common = argparse.ArgumentParser(add_help=False)
@@ -58,17 +49,17 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
     ins.set_defaults(func=inspect)
     conv = sub.add_parser("convert", parents=[*parents, common], help="write the trace in another format")
     conv.add_argument("--to", required=True, metavar="FMT", help="jsonl, mooncake, azure or burstgpt")
-    add_output(conv, "--output", aliases=("-o",), required=True, metavar="PATH", help="the file to write")
     conv.set_defaults(func=convert)
     smp = sub.add_parser(
         "sample",
         parents=[*parents, common],
         help="keep a time window and/or every k-th conversation (whole conversations)",
     )
-    smp.add_argument("--window", type=_window, metavar="START:END", help="requests arriving in [START, END) s")
+    smp.add_argument("--window", type=time_window, metavar="START:END", help="requests arriving in [START, END) s")
     smp.add_argument("--every", type=positive_int, default=1, metavar="K", help="every K-th conversation")
-    add_output(smp, "--output", aliases=("-o",), required=True, metavar="PATH", help="the file to write")
     smp.set_defaults(func=sample)
+    for writer in (conv, smp):
+        add_output(writer, "--output", aliases=("-o",), required=True, metavar="PATH", help="the file to write")
     for action_parser in (ins, conv, smp):
         set_inputs(action_parser, _inputs)  # the trace: an output that resolves to it is refused
     return p
@@ -110,13 +101,10 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def _write(args: argparse.Namespace, rows: list[Any], fmt: str) -> None:
-    from tiered_kv.errors import ConfigError
     from tiered_kv.sim import trace_formats
     from tiered_kv.sim.files import write_text
 
-    writer = trace_formats.WRITERS.get(fmt)
-    if writer is None:
-        raise ConfigError(f"--to: cannot write format {fmt!r}; one of {sorted(trace_formats.WRITERS)}")
+    writer = trace_formats.WRITERS[fmt]  # convert checked --to before reading; sample writes a format it can
     write_text(args.output, writer(rows), "--output")
     print(f"wrote {len(rows)} requests to {args.output} ({fmt})")
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.cli.outputs import add_output, set_inputs
+from tiered_kv.cli.flags import add_json, add_no_progress, command
 
 NAME = "validate"
 SUMMARY = "compare the simulator's predictions with published measurements"
@@ -15,15 +15,18 @@ SUMMARY = "compare the simulator's predictions with published measurements"
 
 def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Add ``validate`` to the ``tiered-kv`` parser."""
-    p = subparsers.add_parser(
+    p = command(
+        subparsers,
+        parents,
         NAME,
-        parents=parents,
-        help=SUMMARY,
-        description=(
+        SUMMARY,
+        (
             "Simulate published setups (configs/validation/: same model, GPU, lengths and concurrency) and "
             "print predicted against published, with the ratio and the source of each point.  A point "
             "outside its tolerance is listed as such, with the reason where one is known.  Needs the sim extra."
         ),
+        run,
+        inputs,
     )
     p.add_argument(
         "configs",
@@ -32,10 +35,8 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         help="validation configs to run: names of shipped ones (such as vllm-paper-fig19) or YAML paths "
         "(default: every shipped one)",
     )
-    add_output(p, "--json", metavar="PATH", help="write the points (JSON) to this file")
-    p.add_argument("--no-progress", action="store_true", help="print no progress lines")
-    p.set_defaults(func=run)
-    set_inputs(p, inputs)
+    add_json(p, "write the points (JSON) to this file")
+    add_no_progress(p, "progress lines")
     return p
 
 
