@@ -6,14 +6,13 @@
   per segment copies 16-byte words, reading or writing pinned host memory
   directly through unified virtual addressing (the CPU tier is registered
   mapped), which replaces thousands of small DMA set-ups with one launch.
-* Streams per lane and events per plan, as in the torch engine, with the same
-  handle (:class:`~tiered_kv.transfer.event_handle.EventTransferHandle`) and
-  the same bounded table of plan events.
-* A device-to-host plan first makes its stream wait for an event recorded on
-  the compute stream, so it never reads KV a kernel is still writing.  The KV
-  tensors are torch's, so by default that is both cupy's current stream and
-  torch's (one wait when they are the same stream); a caller computing on
-  another stream passes it (a cupy or a torch stream).
+* Streams per lane, events per plan, gated and layer-wise plans: the shared
+  issuing path of :mod:`~tiered_kv.transfer.stream_engine`, on cupy streams
+  and events.
+* The compute stream a device-to-host plan waits for: the KV tensors are
+  torch's, so by default that is both cupy's current stream and torch's (one
+  wait when they are the same stream); a caller computing on another stream
+  passes it (a cupy or a torch stream).
 
 Segment byte offsets come from :func:`tiered_kv.storage.spec.segment_offsets`,
 whose agreement with the torch views is tested on the CPU.
@@ -27,17 +26,16 @@ from typing import Any
 import torch
 
 from tiered_kv import checks
-from tiered_kv.errors import InvalidArgumentError, PlanError, TransferError
+from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import segment_offsets
 from tiered_kv.transfer.availability import require
 from tiered_kv.transfer.coalesce import CopyRun
 from tiered_kv.transfer.cudart import CudaRuntime
-from tiered_kv.transfer.event_handle import CupyEvents, EventTransferHandle, fail_after_issued, issued_event
-from tiered_kv.transfer.gated import GatedLayers, IssueJob
-from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
+from tiered_kv.transfer.event_handle import CupyEvents
 from tiered_kv.transfer.plan_events import DEFAULT_MAX_TRACKED_PLANS, PlanEvents
-from tiered_kv.transfer.storage_engine import PreparedPlan, StorageEngineBase
+from tiered_kv.transfer.storage_engine import PreparedPlan
+from tiered_kv.transfer.stream_engine import IssueJob, StreamCopyEngine
 
 GATHER_SRC = r"""
 extern "C" __global__ void copy_segments(const unsigned long long* src, const unsigned long long* dst,
@@ -74,7 +72,7 @@ def block_segments(storage: KVStorage, block_id: int) -> list[int]:
     return segment_offsets(storage.spec, storage.layout, storage.num_blocks, block_id)
 
 
-class CupyCopyEngine(GatedLayers, StorageEngineBase):
+class CupyCopyEngine(StreamCopyEngine):
     """cupy backend.
 
     Args:
@@ -111,7 +109,6 @@ class CupyCopyEngine(GatedLayers, StorageEngineBase):
         self.cp = cupy
         self._api = CupyEvents(cupy.cuda.get_elapsed_time)
         self._events = PlanEvents(self._api, max_tracked_plans)
-        self._gated = {}
         self.streams = {lane: cupy.cuda.Stream(non_blocking=True) for lane in ("h2d_urgent", "h2d", "d2h", "local")}
         self.kernel = cupy.RawKernel(GATHER_SRC, "copy_segments")
         runtime = cupy.cuda.runtime
@@ -122,17 +119,7 @@ class CupyCopyEngine(GatedLayers, StorageEngineBase):
         def memcpy2d(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
             runtime.memcpy2DAsync(dst, dpitch, src, spitch, width, height, CUDA_MEMCPY_DEFAULT, stream)
 
-        self._runtime = CudaRuntime("cupy", memcpy, memcpy2d)
-
-    @property
-    def max_tracked_plans(self) -> int:
-        """Plans whose end events are kept before completed ones are forgotten."""
-        return self._events.limit
-
-    @property
-    def tracked_plans(self) -> int:
-        """Plans whose end events the engine holds now (at most ``max_tracked_plans`` unless many are in flight)."""
-        return len(self._events)
+        self.runtime = CudaRuntime("cupy", memcpy, memcpy2d)
 
     def _base(self, medium: str) -> int:
         return self.tiers[medium].kv.data_ptr()
@@ -156,91 +143,19 @@ class CupyCopyEngine(GatedLayers, StorageEngineBase):
                 streams.append(self.cp.cuda.ExternalStream(ptr))
         return streams
 
-    def submit(self, plan: TransferPlan, compute_stream: object | None = None) -> TransferHandle:
-        """Issue the plan's copies on its lane's stream and return at once.
+    def _new_event(self, timing: bool) -> Any:
+        return self.cp.cuda.Event() if timing else self.cp.cuda.Event(disable_timing=True)
 
-        Args:
-            plan: The plan.
-            compute_stream: The stream (cupy or torch) whose kernels write the
-                KV a GPU-to-CPU plan reads; default: cupy's and torch's current streams.
+    def _stream_ptr(self, stream: Any) -> int:
+        return stream.ptr
 
-        Raises:
-            PlanError: the plan is malformed or its id is still in flight.
-            InvalidArgumentError: ``compute_stream`` is not a CUDA stream.
-        """
-        if not isinstance(plan, TransferPlan):
-            raise PlanError(f"submit() takes a TransferPlan, got {type(plan).__name__}")
-        if compute_stream is not None:
-            self._as_cupy_stream("compute_stream", compute_stream)
-        prep = self.prepare(plan)
-        if self._events.in_flight(plan.plan_id) or plan.plan_id in self._gated:
-            raise PlanError(f"plan {plan.plan_id} is already in flight")
-        stream = self.streams[prep.lane]
-        handle = EventTransferHandle(plan, num_bytes=prep.num_bytes)
-        cp = self.cp
-        job = IssueJob(prep, stream, cp.cuda.Event(), cp.cuda.Event())
-        issued = False  # whether copies may be on the stream
-        try:
-            if plan.src_medium == "GPU" and not plan.gated:  # a gated plan orders each layer itself
-                self._order_after_compute(job, compute_stream)  # never read KV that compute is still writing
-            for w in plan.wait_for:
-                ev = self._events.get(w)
-                if ev is not None:
-                    stream.wait_event(ev)
-            job.start.record(stream)
-            if plan.gated:
-                return self._hold(handle, job)
-            issued = True
-            k = self.kernel_min_runs
-            if plan.num_layers:  # layer by layer, an event after each
-                for layer in range(plan.num_layers):
-                    self._issue_layer(job, layer)
-            elif k is not None and prep.num_copies >= k and self.spec.segment_bytes % 16 == 0:
-                self._gather(prep, stream)
-            else:
-                self._memcpy(prep, stream)
-        except Exception as exc:
-            if issued:
-                self._fail_issue(handle, job, exc)
-            else:
-                handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
-            return handle
-        self._end_issue(handle, job)
-        return handle
-
-    def _issue_layer(self, job: IssueJob, layer: int) -> None:
-        """Every run's layer ``layer``, then an event compute on that layer may wait for."""
-        prep, stream = job.prep, job.stream
-        for ci, chunk in enumerate(prep.chunks):
-            for run in chunk:
-                self._record(prep, ci, run)
-                self.copy_run_layer_raw(self._runtime, prep.plan, run, layer, stream.ptr)  # type: ignore[attr-defined]
-        ev = self.cp.cuda.Event(disable_timing=True)
-        ev.record(stream)
-        job.layer_events.append(ev)
-
-    def _order_after_compute(self, job: IssueJob, compute_stream: object) -> None:
-        for compute in self._compute_streams("stream", compute_stream):
-            ready = self.cp.cuda.Event(disable_timing=True)
-            ready.record(compute)
-            job.stream.wait_event(ready)
-
-    def _end_issue(self, handle: EventTransferHandle, job: IssueJob) -> None:
-        job.end.record(job.stream)
-        handle.attach(self._api, job.start, job.end, tuple(job.layer_events))
-        self._events.add(handle.plan.plan_id, job.end)
-
-    def _fail_issue(self, handle: EventTransferHandle, job: IssueJob, exc: BaseException) -> None:
-        if not fail_after_issued(handle, self._api, job.stream, job.start, job.end, job.layer_events, exc):
-            handle._finish(TransferStatus.FAILED, TransferError(f"plan {handle.plan.plan_id}: {exc}"))
-
-    def _memcpy(self, prep: PreparedPlan, stream: object) -> None:
-        """One ``cudaMemcpyAsync`` (block-contiguous) or ``cudaMemcpy2DAsync`` (layer-first) per run."""
-        plan = prep.plan
-        for ci, chunk in enumerate(prep.chunks):
-            for run in chunk:
-                self._record(prep, ci, run)
-                self.copy_run_raw(self._runtime, plan, run, stream.ptr)  # type: ignore[attr-defined]
+    def _issue_whole(self, job: IssueJob) -> None:
+        """The gather kernel for a plan of many runs (``kernel_min_runs``), else one memcpy per run."""
+        k = self.kernel_min_runs
+        if k is not None and job.prep.num_copies >= k and self.spec.segment_bytes % 16 == 0:
+            self._gather(job.prep, job.stream)
+        else:
+            super()._issue_whole(job)
 
     def _gather(self, prep: PreparedPlan, stream: object) -> None:
         plan = prep.plan
@@ -256,33 +171,3 @@ class CupyCopyEngine(GatedLayers, StorageEngineBase):
             s_arr = cp.asarray(s_ptrs, dtype=cp.uint64)
             d_arr = cp.asarray(d_ptrs, dtype=cp.uint64)
             self.kernel((len(s_ptrs),), (256,), (s_arr, d_arr, cp.uint64(self.spec.segment_bytes)))
-
-    def close(self) -> None:
-        """Wait for every plan still in flight (teardown only: a host wait, never in a serving step)."""
-        self._abandon_gated()
-        self._events.wait_all()
-
-    def cancel(self, handle: TransferHandle) -> bool:
-        """Issued CUDA copies cannot be recalled: False, except for a gated plan none of whose layers opened."""
-        if not isinstance(handle, TransferHandle):
-            raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
-        return self._cancel_gated(handle)
-
-    def make_compute_wait(self, handle: TransferHandle, stream: object | None = None, layer: int | None = None) -> None:
-        """Order compute after the plan (or one layer of it) on the device; the host does not block.
-
-        Args:
-            handle: A handle this engine returned.
-            stream: The stream (cupy or torch) to order; default: cupy's and
-                torch's current streams.
-            layer: Wait only for this layer of a layer-wise plan.
-
-        Raises:
-            PlanError: ``handle`` is not an issued plan of a CUDA engine.
-            InvalidArgumentError: ``stream`` is not a CUDA stream.
-        """
-        end = issued_event(handle, "make_compute_wait")
-        if layer is not None:
-            end = handle.layer_event(layer)  # type: ignore[attr-defined]
-        for compute in self._compute_streams("stream", stream):
-            compute.wait_event(end)
