@@ -1,10 +1,10 @@
 """The ``tiered-kv`` command line: the top layer, one module per command.
 
 Each command module (``simulate``, ``sweep``, ``validate``, ``trace``,
-``crossover``, ``fidelity``, ``bench_transfer``, ``gpu_check``, and the
-``demo``) has ``NAME``, ``SUMMARY``, ``register(subparsers, parents)`` and the
-``run`` that ``register`` binds.  The flags they share and their value types
-live in :mod:`tiered_kv.cli.flags`; their output options are declared and
+``crossover``, ``fidelity``, ``bench_transfer``, ``gpu_check``) has ``NAME``,
+``SUMMARY``, ``DESCRIPTION``, ``add_flags`` and ``run`` (see
+:func:`tiered_kv.cli.flags.command`); the ``demo`` registers itself.  The flags
+they share and their value types live in :mod:`tiered_kv.cli.flags`; their output options are declared and
 claimed by :mod:`tiered_kv.cli.outputs`.  This module assembles the parsers,
 claims every declared output before the command runs (an output is never an
 input, and an unwritable one fails before any work), and turns every failure
@@ -12,7 +12,7 @@ into one line on stderr and exit status 2 (``--debug`` shows the traceback
 instead).  Registering imports neither torch nor PyYAML, so ``tiered-kv
 --help`` and ``--version`` work on a base install.
 
-A new command: a module here with those three names, added to ``COMMANDS``.
+A new command: a module here with those names, added to ``COMMANDS``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 
 from tiered_kv import __version__, demo
 from tiered_kv.cli import bench_transfer, crossover, fidelity, gpu_check, simulate, sweep, trace, validate
+from tiered_kv.cli.flags import command
 from tiered_kv.cli.outputs import claim_outputs
 from tiered_kv.errors import TieredKVError
 
@@ -86,7 +87,10 @@ def build_parser() -> Parser:
     # The command list is the epilog above (argparse would wrap long names onto a line of their own).
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog=PROG)
     for module in COMMANDS:
-        parser.commands[module.NAME] = module.register(sub, [common])
+        register = getattr(module, "register", None)  # the demo registers itself beside its walk-through
+        parser.commands[module.NAME] = (
+            register(sub, [common]) if register is not None else command(sub, [common], module)
+        )
     return parser
 
 

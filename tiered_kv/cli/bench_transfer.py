@@ -8,13 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from typing import Any
 
 from tiered_kv.cli.flags import (
     add_json,
     add_repeats,
     choice_list,
-    command,
     positive_int,
     positive_int_list,
     refuse_over_half_memory,
@@ -24,24 +22,17 @@ from tiered_kv.transfer.factory import ENGINE_KINDS
 
 NAME = "bench-transfer"
 SUMMARY = "measure copy-engine bandwidth against one contiguous copy"
+DESCRIPTION = (
+    "For each layout, block size, id pattern and direction, time the copy engine and, in the same run, "
+    "one contiguous copy of the same bytes between the same tiers.  Needs torch."
+)
 ENGINES = ENGINE_KINDS  # the copy engines bench_transfer.make_engine builds
 # Each case allocates a GPU and a CPU tier of about 4x the bytes it moves.
 TIER_BYTES_PER_CASE_BYTE = 8
 
 
-def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add ``bench-transfer`` to the ``tiered-kv`` parser."""
-    p = command(
-        subparsers,
-        parents,
-        NAME,
-        SUMMARY,
-        (
-            "For each layout, block size, id pattern and direction, time the copy engine and, in the same run, "
-            "one contiguous copy of the same bytes between the same tiers.  Needs torch."
-        ),
-        run,
-    )
+def add_flags(p: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser]) -> None:
+    """The flags of ``bench-transfer``."""
     add_json(p, "write one JSON row per case to this file")
     p.add_argument(
         "--mib", type=positive_int, default=128, metavar="N", help="MiB moved per case and direction (default: 128)"
@@ -69,7 +60,6 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         "(default: what this machine has)",
     )
     add_repeats(p, 3, "best of N per measurement (default: 3)")
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,7 +31,6 @@ from tiered_kv.cli.flags import (
     add_no_progress,
     add_plots,
     add_repeats,
-    command,
     fraction,
     here,
     need_extras,
@@ -46,33 +45,24 @@ from tiered_kv.storage.spec import LAYOUTS
 
 NAME = "crossover"
 SUMMARY = "measure swap vs recompute here (or for your model); write a calibration"
+DESCRIPTION = (
+    "Answer 'swap or recompute, and from which context length'.  With --model, for your model: the copy "
+    "link is measured here with its KV shape, compute comes from --hardware (roofline) or --calibration "
+    "(measured on the same model).  Without --model, a small real model is measured end to end (copies, "
+    "prefills, engine steps).  Each point is repeated and reported as min/median/max; each row is saved "
+    "as it is measured; a calibration file is written for `tiered-kv simulate --calibration`.  Needs torch."
+)
 DTYPES = ("float32", "float16", "bfloat16")  # what the model computes in (the KV can hold more)
 # The built-in small model's shape; None in the parser so that --model can tell a flag the user gave.
 SMALL_MODEL = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 2, "head_dim": 32, "dtype": "float32"}
 
 
-def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add ``crossover`` to the ``tiered-kv`` parser."""
-    p = command(
-        subparsers,
-        parents,
-        NAME,
-        SUMMARY,
-        (
-            "Answer 'swap or recompute, and from which context length'.  With --model, for your model: the copy "
-            "link is measured here with its KV shape, compute comes from --hardware (roofline) or --calibration "
-            "(measured on the same model).  Without --model, a small real model is measured end to end (copies, "
-            "prefills, engine steps).  Each point is repeated and reported as min/median/max; each row is saved "
-            "as it is measured; a calibration file is written for `tiered-kv simulate --calibration`.  Needs torch."
-        ),
-        run,
-        inputs,
-    )
+def add_flags(p: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser]) -> None:
+    """The flags of ``crossover``."""
     _add_output_flags(p)
     _add_model_flags(p)
     _add_measurement_flags(p)
     add_no_progress(p)
-    return p
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:

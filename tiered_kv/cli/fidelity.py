@@ -9,44 +9,33 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from tiered_kv.cli.flags import (
     add_calibration,
     add_config,
     add_json,
     add_no_progress,
-    command,
     config_inputs,
     write_json,
 )
 
 NAME = "fidelity"
 SUMMARY = "compare the simulator's prediction with the real engine"
+DESCRIPTION = (
+    "Simulate every run of a config with a calibrated cost model, serve the same workload on the real "
+    "engine in real time, and report predicted against measured throughput, transfer and recompute "
+    "time.  Needs torch and the sim extra, and a calibration from `tiered-kv crossover`."
+)
 
 
-def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add ``fidelity`` to the ``tiered-kv`` parser."""
-    p = command(
-        subparsers,
-        parents,
-        NAME,
-        SUMMARY,
-        (
-            "Simulate every run of a config with a calibrated cost model, serve the same workload on the real "
-            "engine in real time, and report predicted against measured throughput, transfer and recompute "
-            "time.  Needs torch and the sim extra, and a calibration from `tiered-kv crossover`."
-        ),
-        run,
-        inputs,
-    )
+def add_flags(p: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser]) -> None:
+    """The flags of ``fidelity``."""
     add_config(p, "a YAML config file or the name of a shipped config (default: fidelity-tiny)")
     add_calibration(
         p, "the calibration written by `tiered-kv crossover` (default: %(default)s)", Path("out/calibration.json")
     )
     add_json(p, "write predicted and measured rows (JSON) to this file")
     add_no_progress(p)
-    return p
 
 
 def inputs(args: argparse.Namespace) -> list[Path]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,22 +103,24 @@ def time_window(text: str) -> tuple[float, float]:
     return a, b
 
 
-def command(
-    subparsers: Any,
-    parents: Sequence[argparse.ArgumentParser],
-    name: str,
-    summary: str,
-    description: str,
-    run: Callable[[argparse.Namespace], int] | None,
-    inputs: Callable[[argparse.Namespace], Iterable[Path]] | None = None,
-) -> argparse.ArgumentParser:
-    """A command's parser, which runs ``run``; ``inputs`` lists the files a run reads (no output may be one).
+def command(subparsers: Any, parents: Sequence[argparse.ArgumentParser], module: Any) -> argparse.ArgumentParser:
+    """The parser of the command ``module`` defines, added to ``subparsers``.
 
-    ``run`` is None for a command whose actions have parsers of their own, each with its ``run``.
+    A command module has ``NAME``, ``SUMMARY`` (one line, for the command list),
+    ``DESCRIPTION`` (for its ``--help``) and ``add_flags(parser, parents)``;
+    ``run(args)`` (absent where each action has a parser of its own that sets
+    it) and ``inputs(args)``, the files a run reads, which no output may
+    overwrite (absent where a run reads none).  Both are read now, when the
+    parser is built.
     """
-    p: argparse.ArgumentParser = subparsers.add_parser(name, parents=parents, help=summary, description=description)
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        module.NAME, parents=parents, help=module.SUMMARY, description=module.DESCRIPTION
+    )
+    module.add_flags(p, parents)
+    run = getattr(module, "run", None)
     if run is not None:
         p.set_defaults(func=run)
+    inputs = getattr(module, "inputs", None)
     if inputs is not None:
         set_inputs(p, inputs)
     return p

@@ -9,34 +9,26 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from tiered_kv.cli.flags import choice_list, command, seconds
+from tiered_kv.cli.flags import choice_list, seconds
 from tiered_kv.cli.outputs import add_output
 
 NAME = "gpu-check"
 SUMMARY = "prove the CUDA half in minutes: gpu tests, bandwidth, overlap, crossover"
+DESCRIPTION = (
+    "Run, in order, each within its share of the time budget and saved as soon as measured: device facts; "
+    "the tests marked gpu; copy bandwidth of every engine, layout, block size and id pattern against one "
+    "contiguous copy and a per-block copy loop; compute beside swaps with host synchronisations counted "
+    "(and a Perfetto trace); swap against recompute for a model of Llama-3-8B's shape with random weights. "
+    "Writes OUT/gpu-check.json (valid after every step), gpu-check-trace.json, gpu-check.log, "
+    "pytest-gpu.log, crossover.jsonl and calibration.json.  Needs a CUDA device; --cpu runs a small form "
+    "of every part on any machine.  Exit status 0 when every part finished and every test passed."
+)
 PARTS = ("device", "tests", "bandwidth", "overlap", "crossover")  # tiered_kv.bench.gpu_check.PARTS
 
 
-def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add ``gpu-check`` to the ``tiered-kv`` parser."""
-    p = command(
-        subparsers,
-        parents,
-        NAME,
-        SUMMARY,
-        (
-            "Run, in order, each within its share of the time budget and saved as soon as measured: device facts; "
-            "the tests marked gpu; copy bandwidth of every engine, layout, block size and id pattern against one "
-            "contiguous copy and a per-block copy loop; compute beside swaps with host synchronisations counted "
-            "(and a Perfetto trace); swap against recompute for a model of Llama-3-8B's shape with random weights. "
-            "Writes OUT/gpu-check.json (valid after every step), gpu-check-trace.json, gpu-check.log, "
-            "pytest-gpu.log, crossover.jsonl and calibration.json.  Needs a CUDA device; --cpu runs a small form "
-            "of every part on any machine.  Exit status 0 when every part finished and every test passed."
-        ),
-        run,
-    )
+def add_flags(p: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser]) -> None:
+    """The flags of ``gpu-check``."""
     add_output(
         p,
         "--out",
@@ -62,7 +54,6 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         metavar="NAME,...",
         help=f"run only these parts, from {', '.join(PARTS)} (default: all, in that order)",
     )
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

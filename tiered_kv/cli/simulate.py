@@ -14,7 +14,6 @@ from tiered_kv.cli.flags import (
     add_no_progress,
     add_plots,
     add_workers,
-    command,
     config_inputs,
     need_extras,
 )
@@ -22,24 +21,16 @@ from tiered_kv.cli.outputs import add_output
 
 NAME = "simulate"
 SUMMARY = "simulate every run of a config on one workload"
+DESCRIPTION = (
+    "Simulate every entry of a config's `runs:` on one workload with the real tier manager "
+    "and scheduler, then print a comparison table.  No output may be an input of the run (the config, "
+    "its profiles, the workload trace, the calibration), and every output is created before the first "
+    "step.  Needs the sim extra."
+)
 
 
-def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add ``simulate`` to the ``tiered-kv`` parser (imports nothing heavy: ``--help`` works on a base install)."""
-    p = command(
-        subparsers,
-        parents,
-        NAME,
-        SUMMARY,
-        (
-            "Simulate every entry of a config's `runs:` on one workload with the real tier manager "
-            "and scheduler, then print a comparison table.  No output may be an input of the run (the config, "
-            "its profiles, the workload trace, the calibration), and every output is created before the first "
-            "step.  Needs the sim extra."
-        ),
-        run,
-        inputs,
-    )
+def add_flags(p: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser]) -> None:
+    """The flags of ``simulate`` (imports nothing heavy: ``--help`` works on a base install)."""
     add_config(
         p,
         "a YAML config file, or the name of a shipped config such as fidelity-tiny "
@@ -72,7 +63,6 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
     p.add_argument("--trace", action=_Renamed, nargs="?", help=argparse.SUPPRESS)
     add_workers(p, "simulate the runs in N processes on this machine (default: 1; the results are the same)")
     add_no_progress(p)
-    return p
 
 
 class _Renamed(argparse.Action):

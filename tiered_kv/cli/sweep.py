@@ -5,29 +5,20 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from tiered_kv.cli.flags import add_json, add_no_progress, add_plots, add_workers, command, config_inputs, need_extras
+from tiered_kv.cli.flags import add_json, add_no_progress, add_plots, add_workers, config_inputs, need_extras
 
 NAME = "sweep"
 SUMMARY = "cross a config's runs with GPU KV sizes and arrival rates"
+DESCRIPTION = (
+    "Run every (arrival rate, GPU KV size, run) cell of a config's `sweep:` section and print "
+    "throughput per cell.  The results are the same, byte for byte, however the cells are run.  "
+    "Needs the sim extra; --ray needs the ray extra."
+)
 
 
-def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add ``sweep`` to the ``tiered-kv`` parser."""
-    p = command(
-        subparsers,
-        parents,
-        NAME,
-        SUMMARY,
-        (
-            "Run every (arrival rate, GPU KV size, run) cell of a config's `sweep:` section and print "
-            "throughput per cell.  The results are the same, byte for byte, however the cells are run.  "
-            "Needs the sim extra; --ray needs the ray extra."
-        ),
-        run,
-        inputs,
-    )
+def add_flags(p: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser]) -> None:
+    """The flags of ``sweep``."""
     p.add_argument("config", help="a YAML config file with a `sweep:` section, or the name of a shipped config")
     add_json(p, "write the results document (JSON) to this file")
     add_plots(p, "write sweep.png into this directory")
@@ -40,7 +31,6 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         "local instance); the workers need tiered-kv installed",
     )
     add_no_progress(p)
-    return p
 
 
 def inputs(args: argparse.Namespace) -> list[Path]:

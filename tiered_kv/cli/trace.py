@@ -7,28 +7,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_kv.cli.flags import command, positive_float, positive_int, time_window
+from tiered_kv.cli.flags import positive_float, positive_int, time_window
 from tiered_kv.cli.outputs import add_output, set_inputs
 
 NAME = "trace"
 SUMMARY = "inspect, convert or sample a trace (jsonl, mooncake, azure, burstgpt, sharegpt)"
+DESCRIPTION = (
+    "Read a trace in one of the public formats (see tiered_kv/sim/trace_formats.py): print what it "
+    "offers, convert it to another format, or cut a sample of it.  Rows that cannot be replayed "
+    "(0 output tokens, empty fields) are counted and reported; a malformed row stops with its line."
+)
 FORMATS = ("jsonl", "mooncake", "azure", "burstgpt", "sharegpt")  # trace_formats.FORMATS, without importing it
 
 
-def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add ``trace`` and its three actions to the ``tiered-kv`` parser (imports nothing heavy)."""
-    p = command(
-        subparsers,
-        parents,
-        NAME,
-        SUMMARY,
-        (
-            "Read a trace in one of the public formats (see tiered_kv/sim/trace_formats.py): print what it "
-            "offers, convert it to another format, or cut a sample of it.  Rows that cannot be replayed "
-            "(0 output tokens, empty fields) are counted and reported; a malformed row stops with its line."
-        ),
-        None,
-    )
+def add_flags(p: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser]) -> None:
+    """The flags of ``trace`` and its three actions (imports nothing heavy)."""
     sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("path", type=Path, help="the trace file")
@@ -62,7 +55,6 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
         add_output(writer, "--output", aliases=("-o",), required=True, metavar="PATH", help="the file to write")
     for action_parser in (ins, conv, smp):
         set_inputs(action_parser, _inputs)  # the trace: an output that resolves to it is refused
-    return p
 
 
 def _inputs(args: argparse.Namespace) -> list[Path]:

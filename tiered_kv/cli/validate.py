@@ -5,29 +5,20 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from tiered_kv.cli.flags import add_json, add_no_progress, command
+from tiered_kv.cli.flags import add_json, add_no_progress
 
 NAME = "validate"
 SUMMARY = "compare the simulator's predictions with published measurements"
+DESCRIPTION = (
+    "Simulate published setups (configs/validation/: same model, GPU, lengths and concurrency) and "
+    "print predicted against published, with the ratio and the source of each point.  A point "
+    "outside its tolerance is listed as such, with the reason where one is known.  Needs the sim extra."
+)
 
 
-def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    """Add ``validate`` to the ``tiered-kv`` parser."""
-    p = command(
-        subparsers,
-        parents,
-        NAME,
-        SUMMARY,
-        (
-            "Simulate published setups (configs/validation/: same model, GPU, lengths and concurrency) and "
-            "print predicted against published, with the ratio and the source of each point.  A point "
-            "outside its tolerance is listed as such, with the reason where one is known.  Needs the sim extra."
-        ),
-        run,
-        inputs,
-    )
+def add_flags(p: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentParser]) -> None:
+    """The flags of ``validate``."""
     p.add_argument(
         "configs",
         nargs="*",
@@ -37,7 +28,6 @@ def register(subparsers: Any, parents: Sequence[argparse.ArgumentParser]) -> arg
     )
     add_json(p, "write the points (JSON) to this file")
     add_no_progress(p, "progress lines")
-    return p
 
 
 def inputs(args: argparse.Namespace) -> list[Path]:
