@@ -1,4 +1,4 @@
-"""Transfer benchmark; the same as ``tiered-kv bench-transfer`` (see tiered_kv/tools/bench_transfer.py)."""
+"""Transfer benchmark; the same as ``tiered-kv bench-transfer`` (see tiered_kv/bench/transfer.py)."""
 
 import sys
 

@@ -333,8 +333,8 @@ def layer_copies(bench: OverlapBench, events: list[Any]) -> None:
 def _variants(bench: OverlapBench, engine: Any) -> dict[str, Issue]:
     """The regions compared: the copy alone, the chunk alone, and the three ways of doing both.
 
-    About 60 lines on purpose: five small closures over one engine and one
-    request's block ids read best side by side, as the variants they are.
+    Five closures over one engine and one request's block ids, side by side so
+    that the variants differ visibly in one place each.
     """
     layers = bench.model.shape.num_layers
     ctx_ids = tuple(range(1, 1 + bench.ctx_blocks))
