@@ -32,7 +32,7 @@ import torch
 from tiered_kv.bench.device import pcie_link
 from tiered_kv.bench.report import Deadline
 from tiered_kv.bench.timing import spread, sync_device
-from tiered_kv.bench.transfer import id_pattern
+from tiered_kv.bench.transfer import case_fields, id_pattern
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import KVSpec, segment_offsets
 from tiered_kv.transfer.factory import available_kinds, make_copy_engine
@@ -365,13 +365,7 @@ def _row(
     moved = nbytes * (2 if direction == "duplex" else 1)
     wall = spread([w for w, _ in runs])
     return {
-        "engine": engine,
-        "layout": layout,
-        "block_tokens": s.block_size,
-        "kv_shape": f"{s.num_layers}x{s.num_kv_heads}x{s.head_dim} {s.dtype}",
-        "pattern": pattern,
-        "direction": direction,
-        "bytes": moved,
+        **case_fields(engine, layout, s, pattern, direction, moved),
         "seconds": wall,
         "engine_seconds": spread([e for _, e in runs]),
         "gbps": moved / wall["median"] / GB,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -183,6 +184,19 @@ def _cases(n: int, half: int, nbytes: int, rng: random.Random) -> list[_Case]:
     return cases
 
 
+def case_fields(engine: str, layout: str, s: KVSpec, pattern: str, direction: str, nbytes: int) -> dict[str, Any]:
+    """What names one measured case in a row (bench-transfer's and gpu-check's bandwidth rows alike)."""
+    return {
+        "engine": engine,
+        "layout": layout,
+        "block_tokens": s.block_size,
+        "kv_shape": f"{s.num_layers}x{s.num_kv_heads}x{s.head_dim} {s.dtype}",
+        "pattern": pattern,
+        "direction": direction,
+        "bytes": nbytes,
+    }
+
+
 def _time_case(
     bench: _Bench, eng_name: str, layout: str, s: KVSpec, case: _Case, emit: Callable[[str], None]
 ) -> dict[str, object]:
@@ -191,13 +205,7 @@ def _time_case(
     dt = bench.engine_time(specs)
     pk = bench.peak_time(specs[0][0], specs[0][1], moved)
     row = {
-        "engine": eng_name,
-        "layout": layout,
-        "block_tokens": s.block_size,
-        "kv_shape": f"{s.num_layers}x{s.num_kv_heads}x{s.head_dim} {s.dtype}",
-        "pattern": pattern,
-        "direction": direction,
-        "bytes": moved,
+        **case_fields(eng_name, layout, s, pattern, direction, moved),
         "seconds": dt,
         "gbps": moved / dt / GB,
         "peak_gbps": moved / pk / GB,
@@ -236,13 +244,7 @@ def _vllm_v0_loop(
             moved = n * s.bytes_per_block
             rows.append(
                 {
-                    "engine": "vllm_v0_loop",
-                    "layout": layout,
-                    "block_tokens": s.block_size,
-                    "kv_shape": f"{s.num_layers}x{s.num_kv_heads}x{s.head_dim} {s.dtype}",
-                    "pattern": pattern,
-                    "direction": d,
-                    "bytes": moved,
+                    **case_fields("vllm_v0_loop", layout, s, pattern, d, moved),
                     "seconds": dt,
                     "gbps": moved / dt / GB,
                     "peak_gbps": float("nan"),

@@ -34,7 +34,7 @@ from tiered_kv.transfer.coalesce import CopyRun
 from tiered_kv.transfer.cudart import CudaRuntime
 from tiered_kv.transfer.event_handle import CupyEvents
 from tiered_kv.transfer.plan_events import DEFAULT_MAX_TRACKED_PLANS, PlanEvents
-from tiered_kv.transfer.storage_engine import PreparedPlan
+from tiered_kv.transfer.storage_engine import LANES, PreparedPlan
 from tiered_kv.transfer.stream_engine import IssueJob, StreamCopyEngine
 
 GATHER_SRC = r"""
@@ -109,7 +109,7 @@ class CupyCopyEngine(StreamCopyEngine):
         self.cp = cupy
         self._api = CupyEvents(cupy.cuda.get_elapsed_time)
         self._events = PlanEvents(self._api, max_tracked_plans)
-        self.streams = {lane: cupy.cuda.Stream(non_blocking=True) for lane in ("h2d_urgent", "h2d", "d2h", "local")}
+        self.streams = {lane: cupy.cuda.Stream(non_blocking=True) for lane in LANES}
         self.kernel = cupy.RawKernel(GATHER_SRC, "copy_segments")
         runtime = cupy.cuda.runtime
 
