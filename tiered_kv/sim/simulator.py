@@ -149,7 +149,7 @@ class Simulator:
                 setup.max_num_batched_tokens,
                 setup.max_num_seqs,
                 setup.chunked_prefill,
-                policy=setup.policy,
+                victim_policy=setup.victim_policy,
                 mode=setup.mode,
                 skip_quiet_allocations=fast_path,
             ),
@@ -415,7 +415,7 @@ class Simulator:
         st = self.setup
         return {
             "run": st.name,
-            "policy": st.policy,
+            "victim_policy": st.victim_policy,
             "mode": st.mode,
             "offload": st.offload,
             "copies": st.copies,
