@@ -15,7 +15,7 @@ preemption and of loads (:mod:`.pricing`), swap-out and swap-in
 (:mod:`.swap`), the CPU prefix tier's stores and loads (:mod:`.offload`), the
 per-request bounds behind cost-aware ranking (:mod:`.preempt_bounds`), the
 tiers below the CPU store (:mod:`.lower_tiers`), the stores themselves
-(:mod:`tiered_kv.tiers`) and the victim policies (:mod:`.policies`).
+(:mod:`tiered_kv.tiers`) and the victim policies (:mod:`.victim_policy`).
 
 A block that a copy reads or writes is never handed to a new owner: copies hold
 the GPU blocks they read, loads pin the store blocks they read, destinations
