@@ -166,8 +166,8 @@ class Simulator:
         elif plan.kind is PlanKind.ONBOARD:
             rec.onboard_bytes += job.nbytes
 
-    # One long function on purpose: the event loop.  Its locals are the hot loop's state, and a
-    # call per event or per request-step would cost more than the work it does;
+    # The event loop, in one function: its locals are the hot loop's state, and a call per
+    # event or per request-step would cost more than the work it does;
     # ``benchmarks/bench_sim.py --digest`` pins its decisions, event for event.
     def run(self) -> dict[str, Any]:
         loop, sched, link = self.loop, self.scheduler, self.engine
