@@ -9,8 +9,8 @@ in worker processes.
 
 ``--digest`` instead records every run's whole event trace and prints its SHA-256: two
 versions of the simulator that print the same digests made the same decisions, event for
-event.  ``--plain`` runs the scheduler's plain path (every allocation asked of the manager):
-its digests must equal the default's.
+event.  ``--plain`` runs the scheduler's plain path (every allocation asked of the manager, through
+``tests/plain_path.py``'s manager that reports nothing quiet): its digests must equal the default's.
 
 Usage: python benchmarks/bench_sim.py [--config NAME] [--requests N] [--workers 2] [--digest] [--plain]
 """
@@ -24,12 +24,17 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from multiprocessing import get_context
+from pathlib import Path
 from typing import Any
 
+from tiered_kv.manager import TierManager
 from tiered_kv.sim.config import read_config, setup
 from tiered_kv.sim.runner import regime_configs
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.workload import generate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from plain_path import PlainPathTierManager
 
 
 def _cells(config: str | None, requests: int | None) -> list[tuple[str, dict[str, Any], int]]:
@@ -48,7 +53,7 @@ def run_one(cell: tuple[str, dict[str, Any], int], digest: bool = False, plain: 
     regime, cfg, i = cell
     st = setup(cfg, i)
     workload = generate(cfg["workload"], cfg["seed"])
-    sim = Simulator(st, workload, record_trace=digest, fast_path=not plain)
+    sim = Simulator(st, workload, record_trace=digest, manager_class=PlainPathTierManager if plain else TierManager)
     sched = sim.scheduler
     spent = [0.0]
     schedule, update = sched.schedule, sched.update

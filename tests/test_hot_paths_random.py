@@ -1,6 +1,6 @@
 """The two hot-path shortcuts against their plain paths, on random workloads under copy faults.
 
-* Skipping quiet allocations (``SchedulerConfig(skip_quiet_allocations=True)``)
+* Skipping quiet allocations (the default; ``PlainPathTierManager`` reports nothing quiet)
   must decide exactly as calling ``TierManager.allocate`` for every scheduled
   request: same batches, preemptions, resumptions, admissions, loads and
   saves, the same GPU pool (tables, cached hashes, free order) after every
@@ -28,6 +28,7 @@ import random
 from pathlib import Path
 
 import pytest
+from plain_path import PlainPathTierManager
 from poolutil import manager_snapshot
 from tierutil import NS, host
 
@@ -127,7 +128,7 @@ def drive(
         per_copy_overhead_s=p["overhead"],
         prefill_tokens_per_s=1e4,
     )
-    tm = TierManager(
+    tm = (TierManager if skip else PlainPathTierManager)(
         p["gpu"],
         p["cpu"],
         bs,
@@ -152,7 +153,6 @@ def drive(
         layerwise=p["layerwise"],
         victim_policy=p["victim_policy"],
         policy=p["policy"],
-        skip_quiet_allocations=skip,
     )
     s = Scheduler(tm, config)
     if exact:

@@ -34,21 +34,31 @@ def without(d, *keys):
         (without(HW, "hbm_bytes_per_s"), r"hardware\.hbm_bytes_per_s: required key is missing"),
         (without(HW, "step_model"), r"hardware\.step_model\.mfu: required key is missing"),
         (
-            without(HW, "pcie_gbps_per_direction", "pcie_efficiency"),
-            r"hardware\.link\.h2d_gbps: required key is missing \(the H2D bandwidth; or give "
-            r"pcie_gbps_per_direction and pcie_efficiency\)",
+            without(HW, "link"),
+            r"hardware\.link\.h2d_gbps: required key is missing \(also missing: hardware\.link\.per_copy_overhead_s\)",
+        ),
+        (dict(HW, link={"h2d_gbps": 1.0}), r"hardware\.link\.per_copy_overhead_s: required key is missing$"),
+        # The older names of the link's numbers are refused with the key that replaced each.
+        (
+            dict(HW, pcie_gbps_per_direction=10.0, pcie_efficiency=0.8),
+            r"hardware\.pcie_gbps_per_direction: renamed: give link\.h2d_gbps, the one-way bandwidth",
+        ),
+        (dict(HW, pcie_efficiency=0.8), r"hardware\.pcie_efficiency: renamed: give link\.h2d_gbps"),
+        (
+            dict(HW, per_copy_overhead_s=1e-6),
+            r"hardware\.per_copy_overhead_s: moved: give link\.per_copy_overhead_s: 1e-06 \(seconds\)",
         ),
         (
-            without(HW, "pcie_efficiency"),
-            r"hardware\.pcie_efficiency: required key is missing \(it goes with hardware\.pcie_gbps_per_direction\)",
-        ),
-        (without(HW, "per_copy_overhead_s"), r"hardware\.link\.per_copy_us: required key is missing"),
-        (
-            dict(HW, link={"h2d_gbps": 10.0}),
-            r"hardware\.pcie_gbps_per_direction: the H2D bandwidth is given twice, as hardware\.link\.h2d_gbps",
+            dict(HW, link=dict(HW["link"], per_copy_us=2.35)),
+            r"hardware\.link\.per_copy_us: renamed: give link\.per_copy_overhead_s, in seconds \(2\.35 us is "
+            r"2\.35e-6\)",
         ),
         (
-            dict(HW, link={"bidir_gbps": 1.0}),
+            dict(HW, step_model=dict(HW["step_model"], per_step_s=5e-4)),
+            r"hardware\.step_model\.per_step_s: renamed: give step_model\.step_overhead_s: 0\.0005",
+        ),
+        (
+            dict(HW, link=dict(HW["link"], bidir_gbps=1.0)),
             r"hardware\.link\.bidir_gbps: 1 GB/s both ways exceeds H2D \+ D2H \(8\.192e-06 GB/s\)",
         ),
         (
@@ -124,14 +134,14 @@ def test_derived_numbers_follow_the_stated_rules_and_are_listed():
 
 def test_a_profile_that_gives_everything_derives_nothing():
     hw = dict(
-        without(HW, "pcie_gbps_per_direction", "pcie_efficiency", "per_copy_overhead_s"),
-        link={"h2d_gbps": 2.0, "d2h_gbps": 3.0, "bidir_gbps": 4.0, "per_copy_us": 5.0},
+        HW,
+        link={"h2d_gbps": 2.0, "d2h_gbps": 3.0, "bidir_gbps": 4.0, "per_copy_overhead_s": 5e-6},
     )
     model = dict(MODEL, weight_dtype="float16", tensor_parallel=1)
     st = setup(config(hardware=hw, model=model), 0)
     assert derived_fields(st) == []
     assert (st.link.h2d_bytes_per_s, st.link.d2h_bytes_per_s, st.link.bidir_bytes_per_s) == (2e9, 3e9, 4e9)
-    assert st.link.per_copy_s == pytest.approx(5e-6)
+    assert st.link.per_copy_overhead_s == pytest.approx(5e-6)
 
 
 @pytest.mark.parametrize("name", shipped_names("hardware"))
@@ -156,8 +166,9 @@ def test_simulate_refuses_an_l4_profile_with_only_a_name(tmp_path, monkeypatch, 
     assert out == ""
     assert re.fullmatch(
         r"tiered-kv simulate: hardware\.memory_gib: required key is missing \(also missing: "
-        r"hardware\.peak_bf16_flops, hardware\.hbm_bytes_per_s, hardware\.step_model\.mfu, "
-        r"hardware\.step_model\.prefill_mfu, hardware\.step_model\.hbm_efficiency, hardware\.step_model\.per_step_s, "
+        r"hardware\.peak_bf16_flops, hardware\.hbm_bytes_per_s, hardware\.link\.h2d_gbps, "
+        r"hardware\.link\.per_copy_overhead_s, hardware\.step_model\.mfu, hardware\.step_model\.prefill_mfu, "
+        r"hardware\.step_model\.hbm_efficiency, hardware\.step_model\.step_overhead_s, "
         r"hardware\.step_model\.per_seq_s, hardware\.step_model\.frontend_s\)\n",
         err,
     ), err

@@ -6,12 +6,14 @@ import hashlib
 
 import pytest
 from mgrutil import make_tm, run, settle
+from plain_path import PlainPathTierManager
 from poolutil import admit, letters, manager_snapshot, pool_snapshot
 from simutil import config
 from test_scheduler import drive, four, make
 
 from tiered_kv.core import BlockStored, KVCacheManager, Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
+from tiered_kv.manager import TierManager
 from tiered_kv.sched import SchedulerConfig
 from tiered_kv.sim.config import setup
 from tiered_kv.sim.simulator import Simulator
@@ -128,17 +130,33 @@ def test_tier_manager_quiet_tokens_and_block_count():
 
 
 # ------------------------------------------------------------------------ same decisions, both paths
-def test_scheduler_config_refuses_a_non_bool_skip_flag():
-    with pytest.raises(InvalidArgumentError, match="skip_quiet_allocations"):
-        SchedulerConfig(skip_quiet_allocations=1)  # type: ignore[arg-type]
+def test_a_manager_that_reports_nothing_quiet_is_asked_every_allocation():
+    """The plain path really is plain: every running request scheduled is allocated, where the fast path skips."""
+    calls, scheduled = {}, {}
+    for base in (TierManager, PlainPathTierManager):
+
+        class Counting(base):  # type: ignore[misc, valid-type]
+            allocations = 0
+
+            def allocate(self, request_id, num_new_tokens):
+                type(self).allocations += 1
+                return super().allocate(request_id, num_new_tokens)
+
+        s, eng = make(gpu=40, manager_class=Counting, mode="recompute")
+        four(s)
+        log = drive(s, eng, steps=200)
+        calls[base] = Counting.allocations
+        scheduled[base] = sum(1 for batch, _, admitted in log for rid, _ in batch if rid not in admitted)
+    assert calls[PlainPathTierManager] == scheduled[PlainPathTierManager]  # admissions go through admit
+    assert calls[TierManager] < calls[PlainPathTierManager]
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 @pytest.mark.parametrize("gpu", [9, 13, 40])
 def test_scheduler_decides_the_same_with_and_without_skipping(mode, gpu):
     logs = []
-    for skip in (True, False):
-        s, eng = make(gpu=gpu, cpu=16 if mode != "recompute" else 0, mode=mode, skip_quiet_allocations=skip)
+    for manager_class in (TierManager, PlainPathTierManager):
+        s, eng = make(gpu=gpu, cpu=16 if mode != "recompute" else 0, mode=mode, manager_class=manager_class)
         four(s)
         s.add_request(Request("E", [7] * 5, max_tokens=20, arrival_time=4.0))
         logs.append((drive(s, eng, steps=200), s.metrics().counters))
@@ -147,7 +165,10 @@ def test_scheduler_decides_the_same_with_and_without_skipping(mode, gpu):
 
 
 def _trace(cfg: dict, index: int, fast: bool) -> tuple[str, dict]:
-    sim = Simulator(setup(cfg, index), generate(cfg["workload"], cfg["seed"]), record_trace=True, fast_path=fast)
+    manager_class = TierManager if fast else PlainPathTierManager
+    sim = Simulator(
+        setup(cfg, index), generate(cfg["workload"], cfg["seed"]), record_trace=True, manager_class=manager_class
+    )
     res = sim.run()
     assert sim.loop.trace
     return hashlib.sha256(repr(sim.loop.trace).encode()).hexdigest(), res
@@ -184,7 +205,7 @@ def _random_run(seed: int, skip: bool, mode: str, layerwise: bool) -> list:
     """A random workload with arrivals, aborts and copies landing late, driven step by step; the whole log."""
     import random
 
-    from tiered_kv.manager import CostModel, TierManager
+    from tiered_kv.manager import CostModel
     from tiered_kv.sched import Scheduler
     from tiered_kv.storage.spec import KVSpec
     from tiered_kv.transfer import ControlledCopyEngine
@@ -194,10 +215,9 @@ def _random_run(seed: int, skip: bool, mode: str, layerwise: bool) -> list:
     eng = ControlledCopyEngine({"GPU": gpu, "CPU": max(cpu, 2)})
     spec = KVSpec(3, 1, 2, "float32", 4)  # 48 bytes of KV per token
     cm = CostModel(kv_bytes_per_token=spec.bytes_per_token, block_size=4, d2h_bytes_per_s=1e12, h2d_bytes_per_s=1e12)
-    tm = TierManager(gpu, cpu, 4, eng, cost_model=cm, kv_spec=spec if layerwise else None)
-    config = SchedulerConfig(
-        max_num_batched_tokens=rng.choice([6, 16, 64]), mode=mode, layerwise=layerwise, skip_quiet_allocations=skip
-    )
+    manager_class = TierManager if skip else PlainPathTierManager
+    tm = manager_class(gpu, cpu, 4, eng, cost_model=cm, kv_spec=spec if layerwise else None)
+    config = SchedulerConfig(max_num_batched_tokens=rng.choice([6, 16, 64]), mode=mode, layerwise=layerwise)
     s = Scheduler(tm, config)
     log: list = []
     n = 0

@@ -15,10 +15,10 @@ from tiered_kv.transfer import ControlledCopyEngine
 R, S = PreemptMode.RECOMPUTE, PreemptMode.SWAP
 
 
-def make(gpu=13, cpu=0, **cfg):
+def make(gpu=13, cpu=0, manager_class=TierManager, **cfg):
     eng = ControlledCopyEngine({"GPU": gpu, "CPU": max(cpu, 2)})
     cm = CostModel(kv_bytes_per_token=8, block_size=4, d2h_bytes_per_s=1e12, h2d_bytes_per_s=1e12)
-    tm = TierManager(gpu, cpu, 4, eng, cost_model=cm)
+    tm = manager_class(gpu, cpu, 4, eng, cost_model=cm)
     return Scheduler(tm, SchedulerConfig(**cfg)), eng
 
 

@@ -89,9 +89,7 @@ def busy_config(**changes):
             "memory_gib": 1,
             "peak_bf16_flops": 1.0e9,
             "hbm_bytes_per_s": 1.0e8,
-            "pcie_gbps_per_direction": 1.0e-4,
-            "pcie_efficiency": 1.0,
-            "per_copy_overhead_s": 1.0e-4,
+            "link": {"h2d_gbps": 1.0e-4, "per_copy_overhead_s": 1.0e-4},
             "step_model": TINY["hardware"]["step_model"],
         },
         runs=[
@@ -136,7 +134,7 @@ def test_enough_memory_means_no_preemption():
 
 
 def test_infinite_bandwidth_makes_swap_free():
-    res, sim = run(busy_config(link={"gbps_per_direction": math.inf, "per_copy_overhead_s": 0.0}), 1)
+    res, sim = run(busy_config(link={"h2d_gbps": math.inf, "per_copy_overhead_s": 0.0}), 1)
     assert res["preemptions_swap"] > 0 and res["gb_swapped_out"] > 0
     assert res["transfer_s"] == 0.0 and res["transfer_exposed_s"] == 0.0
     assert all(s == e for s, e, _, _ in sim.engine.intervals)
@@ -144,7 +142,7 @@ def test_infinite_bandwidth_makes_swap_free():
 
 def test_zero_bandwidth_makes_cost_aware_never_swap():
     cfg = busy_config(
-        link={"gbps_per_direction": 0.0},
+        link={"h2d_gbps": 0.0},
         runs=[{"name": "auto", "victim_policy": "cost_aware", "mode": "auto", "offload": "none"}],
     )
     res, _ = run(cfg)
@@ -187,7 +185,15 @@ BAD = [
     ({"model": "gpt-9"}, r"model: no models profile 'gpt-9' \(known: llama2-7b"),
     ({"workload__prompt_len": {"dist": "fixed", "value": 40}}, r"workload\.prompt_len: the longest request"),
     ({"sweep__rate": [1, -2]}, r"sweep\.rate\[1\]: must be a number > 0"),
-    ({"hardware": dict(TINY["hardware"], pcie_efficiency=0)}, r"hardware\.pcie_efficiency: must be in \(0, 1\]"),
+    (
+        {"hardware": dict(TINY["hardware"], pcie_efficiency=0)},
+        r"hardware\.pcie_efficiency: renamed: give link\.h2d_gbps",
+    ),
+    (
+        {"link__gbps_per_direction": 8.0},
+        r"link\.gbps_per_direction: renamed: give link\.h2d_gbps: 8\.0 \(link\.d2h_gbps",
+    ),
+    ({"compute__per_step_s": 1e-3}, r"compute\.per_step_s: renamed: give compute\.step_overhead_s: 0\.001"),
 ]
 
 

@@ -27,7 +27,7 @@ TOY2 = {
 def swap_config(copies: str, gbps: float | None = None, **run_keys):
     changes = {}
     if gbps is not None:
-        changes["link"] = {"gbps_per_direction": gbps}
+        changes["link"] = {"h2d_gbps": gbps}
     return config(
         workload__arrival={"process": "bursty", "rate": 1.0, "burst_size": 2},
         workload__prompt_len={"dist": "fixed", "value": 12},
@@ -122,7 +122,7 @@ def test_layer_first_without_coalescing_pays_a_copy_per_block_per_layer():
     from tiered_kv.sim.config import setup
 
     st = setup(cfg, 0)
-    assert st.link.per_copy_s == 0.1
+    assert st.link.per_copy_overhead_s == 0.1
     res, sim = run(cfg, trace=True)
     assert (1.0, "transfer_start", (1, "swap_out", "D2H", 3, 2.95)) in sim.loop.trace
     assert res["copies_issued"] == 12 + 4  # the swap-in of one block: 2 layers x K/V

@@ -26,7 +26,7 @@ from tiered_kv.sim.workload import generate
 from tiered_kv.transfer.plan import PlanKind, TransferPlan
 
 BLOCK = 1024  # bytes of one 4-token block of the tiny model
-PCIE = 1.024e6  # bytes/s each way (pcie_gbps_per_direction 1.024e-3, efficiency 1)
+PCIE = 1.024e6  # bytes/s each way (link.h2d_gbps 1.024e-3)
 DISK_BW = 1024.0  # bytes/s: a block's bytes take one second
 DISK_LAT = 0.25  # seconds a block
 STEP = 1.0  # compute.fixed_step_s
@@ -45,7 +45,7 @@ def tiny(tmp_path: Path, runs: list[dict[str, Any]], disk: dict[str, Any] | None
     raw = copy.deepcopy(TINY)
     raw["hardware"].update(
         peak_bf16_flops=1e6,  # recomputing 12 tokens is priced at about 48 s: loading always wins
-        pcie_gbps_per_direction=PCIE / 1e9,
+        link={"h2d_gbps": PCIE / 1e9, "per_copy_overhead_s": 0.0},
         tiers={"disk": disk or {"bandwidth_gbps": DISK_BW / 1e9, "block_latency_us": DISK_LAT * 1e6}},
     )
     # GPU: 4 usable blocks (a request of 13 tokens fills them); CPU tier: 3 blocks (one prompt).

@@ -28,7 +28,10 @@ def busy_raw():
     raw["memory"]["activation_reserve_gib"] = 0
     raw["compute"] = {"step_overhead_s": 0.01}
     raw["hardware"] = dict(
-        TINY["hardware"], pcie_gbps_per_direction=1.0e-4, peak_bf16_flops=1.0e9, hbm_bytes_per_s=1.0e8
+        TINY["hardware"],
+        link={"h2d_gbps": 1.0e-4, "per_copy_overhead_s": 0.0},
+        peak_bf16_flops=1.0e9,
+        hbm_bytes_per_s=1.0e8,
     )
     raw["runs"] = [
         {"name": "recompute", "mode": "recompute", "cpu_kv_gib": 0},

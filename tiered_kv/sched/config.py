@@ -34,11 +34,6 @@ class SchedulerConfig:
             the step their load starts: :attr:`SchedulerOutput.loads` names the
             handle whose layer ``i`` a driver must wait for before layer ``i``
             of that request (the load overlaps the layers before it).
-        skip_quiet_allocations: Skip the manager's ``allocate`` for a step it
-            would serve without changing anything (``TierManager.quiet_tokens``:
-            a decode token that lands in a block the request holds and fills
-            none).  Decisions are the same either way; ``False`` calls it for
-            every scheduled request, the plain path the fast one is checked against.
     """
 
     max_num_batched_tokens: int = 8192
@@ -48,7 +43,6 @@ class SchedulerConfig:
     victim_policy: str = "last_admitted"
     mode: str = "auto"
     layerwise: bool = False
-    skip_quiet_allocations: bool = True
 
     def __post_init__(self) -> None:
         checks.count("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -70,4 +64,3 @@ class SchedulerConfig:
         checks.choice("victim_policy", self.victim_policy, VICTIM_POLICIES)
         checks.choice("mode", self.mode, MODES)
         checks.flag("layerwise", self.layerwise)
-        checks.flag("skip_quiet_allocations", self.skip_quiet_allocations)

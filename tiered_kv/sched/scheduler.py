@@ -27,7 +27,7 @@ admitted requests:
    ``layerwise`` so is one whose KV is still landing, computing while it
    lands layer by layer (``SchedulerOutput.loads``).  A request computes
    between two preemptions: one that became runnable and has not computed
-   since is never a victim (:mod:`.preemption`).
+   since is never a victim (see below).
 4. Waiting requests are admitted (FCFS, or by priority), unless requests are
    swapped out or this step preempted.
 
@@ -35,6 +35,15 @@ admitted requests:
 and appends the sampled token of every request that reached the end of its
 known tokens (the decode rule: the last sampled token is not computed yet; the
 next step computes it).
+
+A request computes between two preemptions, as in vLLM (where a resumed
+request is scheduled in the step it resumes): one that has become runnable
+(admitted, resumed, or its KV landed) and has not computed a step since is
+never a victim, and does not preempt itself; it waits.  Otherwise a victim
+that costs nothing to swap (its blocks all stored already) can be swapped out,
+resumed from the GPU cache and swapped out again forever, never computing.
+Only when nothing at all can run or land does such a request yield
+(:meth:`Scheduler._yield_if_stuck`).
 """
 
 from __future__ import annotations
@@ -44,22 +53,21 @@ from collections.abc import Callable, Hashable, Mapping
 
 from tiered_kv import checks
 from tiered_kv.core.request import Request
-from tiered_kv.errors import InvalidArgumentError, UnknownRequestError
+from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
 from tiered_kv.manager.metrics import MetricsSnapshot
-from tiered_kv.manager.outcomes import Completion
+from tiered_kv.manager.outcomes import Completion, Preemption
+from tiered_kv.manager.states import PreemptMode, Residency
 from tiered_kv.manager.tier_manager import TierManager
-from tiered_kv.manager.victim_policy import get_victim_policy
+from tiered_kv.manager.victim_policy import Candidate, get_victim_policy, select_victims
 from tiered_kv.sched.config import SchedulerConfig
-from tiered_kv.sched.consistency import check_consistency
 from tiered_kv.sched.output import SchedulerOutput
-from tiered_kv.sched.preemption import Preempting
 from tiered_kv.sched.status import MOVING, RequestStatus
 from tiered_kv.transfer.plan import PlanKind, TransferHandle
 
 S = RequestStatus
 
 
-class Scheduler(Preempting):
+class Scheduler:
     """Continuous batching with preemption by swap or recompute.
 
     Args:
@@ -85,7 +93,7 @@ class Scheduler(Preempting):
         # or a copy of its KV settles (then the manager's answer may differ); absent means "ask".
         self._quiet: dict[Hashable, int] = {}
         # Requests that became runnable (admitted, resumed, their KV landed) and have not computed a step
-        # since: no victim until they have (see sched.preemption).  Membership only, never iterated.
+        # since: no victim until they have (see the module docstring).  Membership only, never iterated.
         self._fresh: set[Hashable] = set()
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
@@ -234,11 +242,9 @@ class Scheduler(Preempting):
         budget = self.config.max_num_batched_tokens
         promised = self.tm.blocks_freed_on_completion()
         status, allocate, chunked = self.status, self.tm.allocate, self.config.chunked_prefill
-        high_water, loads, batch, preempted = self._high_water, self._loads, out.scheduled, out.preempted
+        batch, preempted = out.scheduled, out.preempted
         quiet, quiet_tokens = self._quiet, self.tm.quiet_tokens
-        skip = self.config.skip_quiet_allocations
         running = S.RUNNING
-        plain = 0  # the tokens this loop batches, added to out.num_tokens once, after it
         stalled: list[Request] = []  # fresh requests that found no room and waited
         for req in list(self.running):
             if budget <= 0:
@@ -261,21 +267,9 @@ class Scheduler(Preempting):
                     fits, promised = self._make_room(req, n, {r.request_id for r, _ in batch}, promised, out, stalled)
                     if not fits:
                         continue
-                if skip:
-                    quiet[rid] = quiet_tokens(rid)
-            # _add, inlined: the hot path of every running request.
-            batch.append((req, n))
-            plain += n
-            if high_water:  # only recompute victims have a mark, until they pass it again
-                mark = high_water.get(rid, 0)
-                if mark > c:
-                    out.recomputed_tokens += (c + n if c + n < mark else mark) - c
-                    if c + n >= mark:
-                        del high_water[rid]
+                quiet[rid] = quiet_tokens(rid)
+            self._add(out, req, n)
             budget -= n
-            if loads and rid in loads:
-                out.loads[rid] = loads[rid]
-        out.num_tokens += plain
         if stalled:
             self._yield_if_stuck(stalled, out)
         if not out.preempted:
@@ -286,6 +280,100 @@ class Scheduler(Preempting):
             self._start_layerwise_stores(out)
         self.tm.on_schedule_end(out.admitted, [rid for rid, _ in out.preempted])
         return out
+
+    # ------------------------------------------------------------ preemption
+    # When a running request's tokens do not fit, blocks that copies in flight will free are counted
+    # first (waiting beats preempting); then the victim policy picks among running requests not yet
+    # scheduled this step, and each is preempted through the manager by the mode its quote chooses.
+    # If no choice frees enough, the request preempts itself, as in vLLM.
+    def _make_room(
+        self,
+        req: Request,
+        n: int,
+        scheduled: set[Hashable],
+        promised: int,
+        out: SchedulerOutput,
+        stalled: list[Request] | None = None,
+    ) -> tuple[bool, int]:
+        """Allocate ``n`` tokens for ``req``, preempting others if needed; (fits, promised blocks left).
+
+        A fresh request (no step computed since it became runnable) that
+        finds no victim waits instead of preempting itself; it is appended to
+        ``stalled``.
+        """
+        tm, rid = self.tm, req.request_id
+        for i in range(len(self.running) + 1):  # each round preempts at least one victim, or ends
+            if i and tm.allocate(rid, n) is not None:  # the caller tried once already
+                return True, promised
+            short = tm.blocks_short(rid, n)
+            if short <= promised:
+                return False, promised - short  # copies in flight will free enough: wait for them
+            victims = select_victims(
+                self.victim_policy,
+                self._candidates(scheduled | {rid}),
+                short - promised,
+                self.config.mode,
+                tm.cpu_room(),
+            )
+            if victims is None:
+                if rid in self._loads:  # its KV is still landing: it cannot be preempted now; it waits
+                    return False, promised
+                if rid in self._fresh:  # preempting it now would undo its resume before it made progress
+                    if stalled is not None:
+                        stalled.append(req)
+                    return False, promised
+                self._preempt(req, out)  # nobody else can make room: vLLM preempts the request itself
+                return False, promised
+            for v in victims:
+                promised += self._preempt(self.requests[v.request_id], out).blocks_freed_on_completion
+        raise AssertionError(f"request {rid!r}: preemption did not make room")  # pragma: no cover
+
+    def _candidates(self, exclude: set[Hashable]) -> list[Candidate]:
+        """Running requests that may be preempted, ranked by vLLM's rule (higher rank goes first)."""
+        status, loads = self.status, self._loads
+        if self.config.policy == "fcfs":
+            order = list(self.running)
+        else:
+            order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
+        tm = self.tm
+        running, num_blocks, quote, bounds = S.RUNNING, tm.gpu_table_length, tm.quote, tm.preemption_bounds
+        return [
+            Candidate(rid, rank, num_blocks(rid), r.num_computed_tokens, r.num_prompt_tokens, quote, bounds)
+            for rank, r in enumerate(order)
+            if (rid := r.request_id) not in exclude
+            and status[rid] is running
+            and rid not in loads
+            and rid not in self._fresh
+        ]
+
+    def _yield_if_stuck(self, stalled: list[Request], out: SchedulerOutput) -> None:
+        """Fresh requests waited for room, yet the step runs nothing and no copy will land: the last one yields.
+
+        Nothing else can free a block then, so waiting would make empty steps
+        forever; preempting it is vLLM's answer to a request that cannot fit.
+        """
+        if stalled and not out.scheduled and not self.tm.plans_in_flight():
+            req = stalled[-1]
+            self._fresh.discard(req.request_id)
+            self._preempt(req, out)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> Preemption:
+        rid = req.request_id
+        p = self.tm.preempt(rid, self.config.mode) or self.tm.preempt(rid, "auto")  # forced swap impossible
+        assert p is not None
+        self._quiet.pop(rid, None)  # its blocks are released or leaving
+        self.running.remove(req)
+        req.num_preemptions += 1
+        out.preempted.append((rid, p.mode))
+        if p.mode is PreemptMode.SWAP:
+            self.status[rid] = S.SWAPPED if p.residency is Residency.CPU else S.SWAPPING_OUT
+            self.swapped.append(req)
+        else:
+            self._high_water[rid] = max(self._high_water.get(rid, 0), req.num_computed_tokens)
+            req.num_computed_tokens = 0
+            self.status[rid] = S.WAITING
+            self.waiting.appendleft(req)
+        return p
 
     def _start_layerwise_stores(self, out: SchedulerOutput) -> None:
         """Prompt blocks this step completes are stored layer by layer while it computes them."""
@@ -300,15 +388,19 @@ class Scheduler(Preempting):
                     out.saves[rid] = handle
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """Batch ``n`` tokens of ``req``: count what it computes again, and name the load it computes over."""
         out.scheduled.append((req, n))
         out.num_tokens += n
+        rid = req.request_id
         if self._high_water:  # only recompute victims have a mark, until they pass it again
-            mark = self._high_water.get(req.request_id, 0)
+            mark = self._high_water.get(rid, 0)
             c = req.num_computed_tokens
             if mark > c:
                 out.recomputed_tokens += min(c + n, mark) - c
                 if c + n >= mark:
-                    del self._high_water[req.request_id]
+                    del self._high_water[rid]
+        if self._loads and rid in self._loads:  # landing layer by layer: the driver waits on it per layer
+            out.loads[rid] = self._loads[rid]
 
     def _num_admitted(self) -> int:
         """Requests holding a seat: running, or with KV arriving (loading, swapping in)."""
@@ -358,7 +450,7 @@ class Scheduler(Preempting):
         As vLLM schedules a resumed request in the step that resumes it: it
         makes progress before anything can preempt it again.  Skipped when its
         tokens do not fit the budget or the pool now; it then runs in a later
-        step, still protected until it has computed (see :mod:`.preemption`).
+        step, still protected until it has computed (see the module docstring).
         """
         n = len(req.all_token_ids) - req.num_computed_tokens
         if n > budget:
@@ -368,9 +460,6 @@ class Scheduler(Preempting):
         if self.tm.allocate(req.request_id, n) is None:
             return budget  # runs in a later step, once its load has landed or room is made
         self._add(out, req, n)
-        rid = req.request_id
-        if rid in self._loads:
-            out.loads[rid] = self._loads[rid]
         return budget - n
 
     def _next_waiting(self) -> Request:
@@ -483,5 +572,29 @@ class Scheduler(Preempting):
         self._fresh.discard(rid)
 
     def check_consistency(self) -> None:
-        """Assert that queues, statuses and the manager's residencies agree (for tests)."""
-        check_consistency(self)
+        """Assert that queues, statuses and the manager's residencies agree (for tests).
+
+        Every request's status matches where the manager holds its KV, and each
+        queue holds exactly the requests of its statuses.
+        """
+        for rid, st in self.status.items():
+            res = self.tm.residency(rid) if self.tm.holds(rid) else None
+            expect = {
+                S.WAITING: None,
+                S.LOADING: Residency.LOADING,
+                S.RUNNING: Residency.GPU,
+                S.SWAPPING_OUT: Residency.SWAPPING_OUT,
+                S.SWAPPED: Residency.CPU,
+                S.SWAPPING_IN: Residency.SWAPPING_IN,
+            }[st]
+            if rid in self._loads:  # running while its KV lands layer by layer
+                expect = Residency.SWAPPING_IN
+            assert res is expect, f"{rid!r}: status {st.value} but residency {res}"
+        assert {r.request_id for r in self.running} == {k for k, s in self.status.items() if s is S.RUNNING}
+        assert self._arriving == {k for k, s in self.status.items() if s is S.LOADING or s is S.SWAPPING_IN}
+        assert {r.request_id for r in self.waiting} == {k for k, s in self.status.items() if s is S.WAITING}
+        swapping = (S.SWAPPING_OUT, S.SWAPPED)
+        assert {r.request_id for r in self.swapped} == {k for k, s in self.status.items() if s in swapping}
+        for rid, st in self.status.items():
+            if st is S.WAITING and self.requests[rid].num_computed_tokens != 0:
+                raise InvalidTransitionError(f"{rid!r} waits with computed tokens")

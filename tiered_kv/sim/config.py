@@ -386,19 +386,26 @@ def _models(
     else:
         lk = cfg["link"]
         hl = hw.link
-        one_way = lk["gbps_per_direction"] * 1e9 if lk["gbps_per_direction"] is not None else None
-        h2d = one_way if one_way is not None else hl.h2d_bytes_per_s
-        d2h = one_way if one_way is not None else hl.d2h_bytes_per_s
+        # As in a profile, a D2H bandwidth left out is the H2D one (a symmetric link).
+        one_way = lk["h2d_gbps"] is not None or lk["d2h_gbps"] is not None
+        h2d = lk["h2d_gbps"] * 1e9 if lk["h2d_gbps"] is not None else hl.h2d_bytes_per_s
+        d2h = (
+            lk["d2h_gbps"] * 1e9
+            if lk["d2h_gbps"] is not None
+            else h2d
+            if lk["h2d_gbps"] is not None
+            else hl.d2h_bytes_per_s
+        )
         if lk["bidir_gbps"] is not None:
             bidir = lk["bidir_gbps"] * 1e9
-        elif one_way is not None:  # a one-way override keeps the profile's ratio of total to one way
+        elif one_way:  # a one-way override keeps the profile's ratio of total to one way
             ratio = hl.bidir_bytes_per_s / (hl.h2d_bytes_per_s + hl.d2h_bytes_per_s) if hl.h2d_bytes_per_s else 1.0
             bidir = (h2d + d2h) * min(ratio, 1.0)
         else:
             bidir = hl.bidir_bytes_per_s
-        ovh = lk["per_copy_overhead_s"] if lk["per_copy_overhead_s"] is not None else hl.per_copy_s
+        ovh = lk["per_copy_overhead_s"] if lk["per_copy_overhead_s"] is not None else hl.per_copy_overhead_s
         link = LinkProfile(h2d, d2h, bidir, ovh)
-        step_s = c["step_overhead_s"] if c["step_overhead_s"] is not None else sp.per_step_s
+        step_s = c["step_overhead_s"] if c["step_overhead_s"] is not None else sp.step_overhead_s
         per_seq = c["per_seq_s"] if c["per_seq_s"] is not None else sp.per_seq_s
         compute = ComputeModel(
             hw, model, mfu, eff, step_s, c["fixed_step_s"], None, per_seq, pre, front, c["scheduler_steps"]
@@ -450,7 +457,7 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
     n_gpu, n_cpu, block_bytes = sizes.num_gpu_blocks, sizes.num_cpu_blocks, sizes.block_bytes
     bs = cfg["memory"]["block_size"]
     compute, cost, link = _models(cfg, run, hw, model, calibration)
-    d2h, h2d, ovh = link.d2h_bytes_per_s, link.h2d_bytes_per_s, link.per_copy_s
+    d2h, h2d, ovh = link.d2h_bytes_per_s, link.h2d_bytes_per_s, link.per_copy_overhead_s
     s = cfg["scheduler"]
     seqs_default, tokens_default = hw.vllm_default_limits
     max_tokens = s["max_num_batched_tokens"] if s["max_num_batched_tokens"] is not None else tokens_default

@@ -122,6 +122,7 @@ SCHEMA: dict[str, Any] = {
         "prefill_mfu": num(None, fraction, nullable=True),
         "hbm_efficiency": num(None, fraction, nullable=True),
         "step_overhead_s": num(None, non_negative, nullable=True),
+        "per_step_s": Retired(lambda v: f"renamed: give compute.step_overhead_s: {v!r}"),
         "per_seq_s": num(None, non_negative, nullable=True),
         "fixed_step_s": num(None, positive, nullable=True),
         # The serving front end's cost per request, before it reaches the scheduler (not a step's).
@@ -133,9 +134,15 @@ SCHEMA: dict[str, Any] = {
     },
     # Overrides of the hardware profile's link (None: the profile's).
     "link": {
-        "gbps_per_direction": num(None, non_negative, nullable=True, allow_inf=True),
+        # The keys of a hardware profile's link: the same names for the same quantities.
+        "h2d_gbps": num(None, non_negative, nullable=True, allow_inf=True),
+        "d2h_gbps": num(None, non_negative, nullable=True, allow_inf=True),
         "bidir_gbps": num(None, non_negative, nullable=True, allow_inf=True),
         "per_copy_overhead_s": num(None, non_negative, nullable=True),
+        "gbps_per_direction": Retired(
+            lambda v: f"renamed: give link.h2d_gbps: {v!r} (link.d2h_gbps, left out, is the same: a symmetric link)"
+        ),
+        "per_copy_us": Retired(lambda v: "renamed: give link.per_copy_overhead_s, in seconds"),
     },
     "workload": {
         "num_requests": integer(1000, positive),

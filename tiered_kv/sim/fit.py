@@ -7,7 +7,7 @@ sum of squared log ratios (predicted / published) are kept.  What is fitted:
 * ``hbm_efficiency`` and ``prefill_mfu`` of each hardware profile among the
   points (the memory roof, and the compute roof of prefill chunks: properties
   of the GPU and its kernels);
-* ``mfu``, ``per_step_s``, ``per_seq_s`` and ``frontend_s``, shared by all of
+* ``mfu``, ``step_overhead_s``, ``per_seq_s`` and ``frontend_s``, shared by all of
   them (the compute roof of decode rows, the serving engine's per-step and
   per-sequence overheads and its front end's cost per request: properties of
   the engine version, which the published points share).
@@ -32,14 +32,14 @@ from tiered_kv.sim.config import config_from_raw
 from tiered_kv.sim.profiles import load_hardware
 from tiered_kv.sim.validate import Point, Predictor, ValidationFile, validation_files
 
-SHARED = ("mfu", "per_step_s", "per_seq_s", "frontend_s")
+SHARED = ("mfu", "step_overhead_s", "per_seq_s", "frontend_s")
 PER_GPU = ("hbm_efficiency", "prefill_mfu")
 # (low, high) bounds of each coefficient.
 BOUNDS = {
     "mfu": (0.2, 0.9),
     "prefill_mfu": (0.2, 0.95),
     "hbm_efficiency": (0.4, 0.98),
-    "per_step_s": (1e-5, 0.02),
+    "step_overhead_s": (1e-5, 0.02),
     "per_seq_s": (1e-7, 1e-3),
     "frontend_s": (1e-4, 0.2),
 }
@@ -48,7 +48,7 @@ KEYS = {
     "mfu": "compute.mfu",
     "prefill_mfu": "compute.prefill_mfu",
     "hbm_efficiency": "compute.hbm_efficiency",
-    "per_step_s": "compute.step_overhead_s",
+    "step_overhead_s": "compute.step_overhead_s",
     "per_seq_s": "compute.per_seq_s",
     "frontend_s": "compute.frontend_s",
 }

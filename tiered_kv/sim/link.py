@@ -178,7 +178,7 @@ class SimLink:
             self.loop.log("transfer_failed", plan.plan_id)
             return handle
         copies = self.geometry.num_copies(plan.src_block_ids, plan.dst_block_ids)
-        per_copy = self.link.per_copy_s
+        per_copy = self.link.per_copy_overhead_s
         if math.isinf(bw):
             solo = shared = copies * per_copy
         else:

@@ -24,10 +24,6 @@ a run prints them:
 
 * ``link.d2h_gbps``: the host-to-device bandwidth (a symmetric link);
 * ``link.bidir_gbps``: ``h2d + d2h`` (a full-duplex link with no shared cap);
-* the host-to-device bandwidth may instead be given in the older form
-  ``pcie_gbps_per_direction`` x ``pcie_efficiency`` (both keys), and the cost
-  of one copy as ``per_copy_overhead_s`` instead of ``link.per_copy_us``;
-  giving both forms of one number is refused;
 * ``allreduce:`` is needed only by a model that runs tensor-parallel;
 * ``model.head_dim``: ``hidden_size / num_heads`` (the Hugging Face default for
   Llama-style models; refused when it does not divide);
@@ -52,31 +48,38 @@ from typing import Any
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.files import read_yaml
-from tiered_kv.sim.schema import REQUIRED, Field, fraction, integer, non_negative, num, positive, validate
+from tiered_kv.sim.schema import REQUIRED, Field, Retired, fraction, integer, non_negative, num, positive, validate
 from tiered_kv.sim.shipped import shipped, shipped_names
 from tiered_kv.sim.tier_profiles import TIERS_SCHEMA, TierMedium, tier_media
 from tiered_kv.storage.spec import DTYPE_BYTES
+
+
+def _older_bandwidth(value: Any) -> str:
+    return "renamed: give link.h2d_gbps, the one-way bandwidth a copy reaches (GB/s; was per_direction x efficiency)"
+
 
 HARDWARE_SCHEMA = {
     "name": Field((str,)),
     "memory_gib": num(REQUIRED, positive),
     "peak_bf16_flops": num(REQUIRED, positive),
     "hbm_bytes_per_s": num(REQUIRED, positive),
-    # The older link description: one-way bandwidth x efficiency, and the cost of one copy.
-    "pcie_gbps_per_direction": num(None, non_negative, nullable=True, allow_inf=True),
-    "pcie_efficiency": num(None, fraction, nullable=True),
-    "per_copy_overhead_s": num(None, non_negative, nullable=True),
+    # Older names of the link's numbers, refused with the one key that replaced each.
+    "pcie_gbps_per_direction": Retired(_older_bandwidth),
+    "pcie_efficiency": Retired(_older_bandwidth),
+    "per_copy_overhead_s": Retired(lambda v: f"moved: give link.per_copy_overhead_s: {v!r} (seconds)"),
     "link": {
-        "h2d_gbps": num(None, non_negative, nullable=True, allow_inf=True),
+        "h2d_gbps": num(REQUIRED, non_negative, allow_inf=True),
         "d2h_gbps": num(None, non_negative, nullable=True, allow_inf=True),
         "bidir_gbps": num(None, non_negative, nullable=True, allow_inf=True),
-        "per_copy_us": num(None, non_negative, nullable=True),
+        "per_copy_overhead_s": num(REQUIRED, non_negative),
+        "per_copy_us": Retired(lambda v: "renamed: give link.per_copy_overhead_s, in seconds (2.35 us is 2.35e-6)"),
     },
     "step_model": {
         "mfu": num(REQUIRED, fraction),
         "prefill_mfu": num(REQUIRED, fraction),
         "hbm_efficiency": num(REQUIRED, fraction),
-        "per_step_s": num(REQUIRED, non_negative),
+        "step_overhead_s": num(REQUIRED, non_negative),
+        "per_step_s": Retired(lambda v: f"renamed: give step_model.step_overhead_s: {v!r}"),
         "per_seq_s": num(REQUIRED, non_negative),
         "frontend_s": num(REQUIRED, non_negative),
     },
@@ -117,15 +120,16 @@ class LinkProfile:
         d2h_bytes_per_s: One-way device-to-host bandwidth of a large copy.
         bidir_bytes_per_s: The most both directions move together (their sum),
             which on a real PCIe link is less than twice one way.
-        per_copy_s: The fixed cost of one copy (call, DMA set-up); a copy of
-            ``b`` bytes takes ``per_copy_s + b / bandwidth``, so small copies
-            reach only ``b / (per_copy_s * bandwidth + b)`` of the bandwidth.
+        per_copy_overhead_s: The fixed cost of one copy (call, DMA set-up); a
+            copy of ``b`` bytes takes ``per_copy_overhead_s + b / bandwidth``, so
+            small copies reach only ``b / (per_copy_overhead_s * bandwidth + b)``
+            of the bandwidth.
     """
 
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     bidir_bytes_per_s: float
-    per_copy_s: float
+    per_copy_overhead_s: float
 
     def effective_bytes_per_s(self, bytes_per_copy: float, direction: str = "H2D") -> float:
         """Bandwidth a stream of copies of ``bytes_per_copy`` bytes reaches in one direction."""
@@ -133,8 +137,8 @@ class LinkProfile:
         if bw <= 0:
             return 0.0
         if math.isinf(bw):
-            return math.inf if self.per_copy_s == 0 else bytes_per_copy / self.per_copy_s
-        return bytes_per_copy / (self.per_copy_s + bytes_per_copy / bw)
+            return math.inf if self.per_copy_overhead_s == 0 else bytes_per_copy / self.per_copy_overhead_s
+        return bytes_per_copy / (self.per_copy_overhead_s + bytes_per_copy / bw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +149,7 @@ class StepProfile:
         mfu: Fraction of peak BF16 FLOPs that decode rows and the LM head reach.
         prefill_mfu: Fraction of peak that prefill chunks reach (tall GEMMs, FlashAttention).
         hbm_efficiency: Fraction of datasheet HBM bandwidth that weight and KV reads reach.
-        per_step_s: The serving engine's fixed cost of one step.
+        step_overhead_s: The serving engine's fixed cost of one step.
         per_seq_s: Its cost per request in a step.
         frontend_s: The serving front end's cost per request (HTTP handling,
             tokenization, hand-off to the engine, detokenization and streaming of the
@@ -156,7 +160,7 @@ class StepProfile:
     mfu: float
     prefill_mfu: float
     hbm_efficiency: float
-    per_step_s: float
+    step_overhead_s: float
     per_seq_s: float
     frontend_s: float
 
@@ -204,7 +208,7 @@ class HardwareProfile:
 
     @property
     def per_copy_overhead_s(self) -> float:
-        return self.link.per_copy_s
+        return self.link.per_copy_overhead_s
 
     @property
     def vllm_default_limits(self) -> tuple[int, int]:
@@ -313,38 +317,11 @@ def _load(ref: Any, kind: str, schema: dict, key: str) -> dict[str, Any]:
     return validate(read_yaml(found, key), schema, key)
 
 
-def _one_form(d: dict[str, Any], key: str, new: str, old: tuple[str, ...], what: str) -> str:
-    """Which form gives ``what``: ``"new"`` (``link.X``) or ``"old"`` (the older top-level keys).
-
-    Both forms, neither, or half of the older one is refused: one number has one source.
-    """
-    given_new = d["link"][new] is not None
-    given_old = [k for k in old if d[k] is not None]
-    if given_new and given_old:
-        raise ConfigError(
-            f"{key}.{given_old[0]}: {what} is given twice, as {key}.link.{new} and as {key}.{given_old[0]}; keep one"
-        )
-    if given_new:
-        return "new"
-    if len(given_old) == len(old):
-        return "old"
-    if given_old:
-        lack = next(k for k in old if d[k] is None)
-        raise ConfigError(f"{key}.{lack}: required key is missing (it goes with {key}.{given_old[0]})")
-    raise ConfigError(f"{key}.link.{new}: required key is missing ({what}; or give {' and '.join(old)})")
-
-
 def _link(d: dict[str, Any], key: str, derived: list[str]) -> LinkProfile:
-    """The host link from either form, with the derivation rules of the module docstring."""
+    """The host link, with the derivation rules of the module docstring."""
     link = d["link"]
-    if _one_form(d, key, "h2d_gbps", ("pcie_gbps_per_direction", "pcie_efficiency"), "the H2D bandwidth") == "new":
-        h2d = link["h2d_gbps"] * GB
-    else:
-        h2d = d["pcie_gbps_per_direction"] * GB * d["pcie_efficiency"]
-    if _one_form(d, key, "per_copy_us", ("per_copy_overhead_s",), "the cost of one copy") == "new":
-        per_copy = link["per_copy_us"] * 1e-6
-    else:
-        per_copy = d["per_copy_overhead_s"]
+    h2d = link["h2d_gbps"] * GB
+    per_copy = link["per_copy_overhead_s"]
     if link["d2h_gbps"] is not None:
         d2h = link["d2h_gbps"] * GB
     else:
@@ -388,7 +365,7 @@ def load_hardware(ref: Any, key: str = "hardware") -> HardwareProfile:
         hbm_bytes_per_s=d["hbm_bytes_per_s"],
         link=link,
         step=StepProfile(
-            s["mfu"], s["prefill_mfu"], s["hbm_efficiency"], s["per_step_s"], s["per_seq_s"], s["frontend_s"]
+            s["mfu"], s["prefill_mfu"], s["hbm_efficiency"], s["step_overhead_s"], s["per_seq_s"], s["frontend_s"]
         ),
         allreduce=_allreduce(d["allreduce"], key),
         tiers=tier_media(d["tiers"], f"{key}.tiers"),

@@ -103,10 +103,10 @@ class Simulator:
         usage_points: About how many memory-usage samples the results keep.
         keep_timeline: Keep every step and copy (:attr:`steps`, ``engine.jobs``),
             for ``--timeline``.
-        fast_path: Let the scheduler skip the manager calls that would change
-            nothing (``SchedulerConfig.skip_quiet_allocations``).  Decisions and
-            results are the same either way; ``False`` runs the plain path that
-            the fast one is checked against.
+        manager_class: The tier manager's class: :class:`TierManager` or a
+            subclass that keeps its contract (one whose ``quiet_tokens`` reports
+            nothing quiet runs the scheduler's plain path, every allocation
+            asked of the manager, which must decide exactly as the default).
     """
 
     def __init__(
@@ -117,7 +117,7 @@ class Simulator:
         progress: Callable[[int, int, float], None] | None = None,
         usage_points: int = 200,
         keep_timeline: bool = False,
-        fast_path: bool = True,
+        manager_class: type[TierManager] = TierManager,
     ) -> None:
         self.setup = setup
         self.workload = workload
@@ -129,7 +129,7 @@ class Simulator:
         )
         self.engine = SimLink(self.loop, setup.link, geometry, setup.copies, keep_jobs=keep_timeline)
         self.engine.on_submit = self._count_copy
-        tm = TierManager(
+        tm = manager_class(
             setup.num_gpu_blocks,
             setup.num_cpu_blocks,
             setup.block_size,
@@ -151,7 +151,6 @@ class Simulator:
                 setup.chunked_prefill,
                 victim_policy=setup.victim_policy,
                 mode=setup.mode,
-                skip_quiet_allocations=fast_path,
             ),
         )
 
