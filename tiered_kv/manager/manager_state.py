@@ -21,13 +21,13 @@ from tiered_kv.core.request import Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
 from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.cost_model import CostModel
-from tiered_kv.manager.lower_tiers import LowerTiers
 from tiered_kv.manager.metrics import TierCounters
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import Decision
 from tiered_kv.manager.preempt_bounds import PreemptBounds
 from tiered_kv.manager.states import Residency
 from tiered_kv.manager.swap import SwappedKV, Swapper
+from tiered_kv.manager.tier_moves import TierMoves
 from tiered_kv.manager.transfers import Transfers
 from tiered_kv.tiers.cpu_store import CPUStore
 
@@ -62,7 +62,7 @@ class ManagerState:
     _swap: Swapper | None
     _bounds: PreemptBounds
     _off: Offloader | None
-    _lower: LowerTiers | None
+    _lower: TierMoves | None
     _held: dict[Hashable, Held]
     _tick: int
     _gpu_evicted_seen: int

@@ -19,7 +19,7 @@ comes from parts over one shared state (:mod:`.manager_state`): queries
 of final copies (:mod:`.settling`, which ``poll`` and ``cancel`` live in) and
 tiers below the CPU store (disk, remote), attached with
 :meth:`TierManager.attach_tiers` (:mod:`.tier_attach`; what they change is in
-:mod:`~tiered_kv.manager.lower_tiers`).
+:mod:`~tiered_kv.manager.tier_moves`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE, BoundedLog
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.guard import exclusive
 from tiered_kv.manager.inspection import Inspection
-from tiered_kv.manager.lower_tiers import LowerTiers
 from tiered_kv.manager.manager_state import Held
 from tiered_kv.manager.metrics import TierCounters
 from tiered_kv.manager.offload import Offloader
@@ -48,6 +47,7 @@ from tiered_kv.manager.settling import Settling
 from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, Residency
 from tiered_kv.manager.swap import Swapper
 from tiered_kv.manager.tier_attach import TierAttach
+from tiered_kv.manager.tier_moves import TierMoves
 from tiered_kv.manager.transfers import Transfer, Transfers
 from tiered_kv.manager.write_through import WriteThrough
 from tiered_kv.storage.spec import KVSpec
@@ -176,7 +176,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         self._off = Offloader(self.gpu, self.store, tr, b.free_table, self._store_requests) if self.store else None
         self._counters = TierCounters()
         self.decision_log: BoundedLog[Decision] = BoundedLog(log_size)
-        self._lower: LowerTiers | None = None
+        self._lower: TierMoves | None = None
         self._held: dict[Hashable, Held] = {}
         self._tick = 0
         self._gpu_evicted_seen = 0  # the GPU pool's eviction count at the last poll
