@@ -24,7 +24,7 @@ from tiered_kv.tiers.io_handle import BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
 from tiered_kv.tiers.link import TierLink
 from tiered_kv.tiers.store import Key
-from tiered_kv.tiers.tier_kind import TierConfig, known_tier_types, register_tier_kind, tier_kind
+from tiered_kv.tiers.tier_kind import TierConfig, find_tier_kind, known_tier_types, register_tier_kind
 
 
 class DictStore(KeyedStore):
@@ -90,12 +90,12 @@ class MemoTier(TierConfig):
 
 
 def test_the_new_kind_is_found_by_its_type_beside_the_packages_own():
-    assert tier_kind("memo") is MemoTier
+    assert find_tier_kind("memo") is MemoTier
     assert known_tier_types() == ["disk", "memo", "redis"]
     with pytest.raises(
         InvalidArgumentError, match=r"unknown tier type 'tape'; known types: \['disk', 'memo', 'redis'\]"
     ):
-        tier_kind("tape")
+        find_tier_kind("tape")
     with pytest.raises(InvalidArgumentError, match="tier type 'memo' is already MemoTier's"):
 
         @register_tier_kind
@@ -105,7 +105,7 @@ def test_the_new_kind_is_found_by_its_type_beside_the_packages_own():
 
     with pytest.raises(InvalidArgumentError, match=r"MemoTier\.capacity_blocks must be an int >= 2"):
         MemoTier(capacity_blocks=1)
-    assert tier_kind("memo") is MemoTier  # the refused registration changed nothing
+    assert find_tier_kind("memo") is MemoTier  # the refused registration changed nothing
 
 
 def test_the_engine_loads_an_evicted_prefix_back_from_the_new_kind_with_the_same_tokens():

@@ -30,7 +30,7 @@ def chain_of(tiers: object, cpu_store: CPUStore) -> tuple[TierChain, dict[str, C
     """
     if tiers.__class__ not in (list, tuple):
         raise InvalidArgumentError(f"tiers must be a list of LowerTier entries, got {checks.describe(tiers)}")
-    entries: list[LowerTier] = [checks.instance(f"tiers[{i}]", t, LowerTier) for i, t in enumerate(tiers)]  # type: ignore[attr-defined]
+    entries: list[LowerTier] = [checks.instance(f"tiers[{i}]", t, LowerTier) for i, t in enumerate(tiers)]
     if not entries:
         raise InvalidArgumentError("no tier below the CPU: there is nothing to attach")
     stores = [cpu_store, *(e.store for e in entries)]

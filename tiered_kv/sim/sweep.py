@@ -28,7 +28,7 @@ from tiered_kv.sim.report import plot_sweep, write_json
 from tiered_kv.sim.simulator import SimulationError, Simulator
 from tiered_kv.sim.tier_profiles import profile_name
 from tiered_kv.sim.workload import generate, size
-from tiered_kv.tiers.tier_kind import tier_kind
+from tiered_kv.tiers.tier_kind import find_tier_kind
 
 Hook = Callable[[int, int, float], None]
 
@@ -145,7 +145,7 @@ def tier_label(run: dict[str, Any]) -> str:
     """
     if run["offload"] == "none":
         return "no CPU prefix tier"
-    below = [profile_name(tier_kind(t["type"])) for t in run["tiers"]]
+    below = [profile_name(find_tier_kind(t["type"])) for t in run["tiers"]]
     return f"CPU prefix tier ({run['offload']})" + "".join(f" + {name}" for name in below)
 
 

@@ -13,7 +13,7 @@
             writeback_reserve: 64           # write_back only: blocks kept clean ahead of eviction
 
 Each entry names a tier kind by its ``type``
-(:func:`~tiered_kv.tiers.tier_kind.tier_kind`), the same kinds the real engine
+(:func:`~tiered_kv.tiers.tier_kind.find_tier_kind`), the same kinds the real engine
 builds; the simulator keeps the chain's bookkeeping of the kind's medium and
 runs its copies on its link, from the hardware profile
 (:mod:`~tiered_kv.sim.tier_profiles`) or the kind's default.  Its capacity
@@ -30,7 +30,7 @@ from tiered_kv.errors import ConfigError, InvalidArgumentError
 from tiered_kv.sim.schema import Field, choice, integer, non_negative, num, positive, validate
 from tiered_kv.sim.tier_profiles import TierMedium, medium_for, profile_name
 from tiered_kv.tiers.link import TierLink
-from tiered_kv.tiers.tier_kind import tier_kind
+from tiered_kv.tiers.tier_kind import find_tier_kind
 from tiered_kv.tiers.write_policy import RENAMED
 
 GIB = 1 << 30
@@ -123,7 +123,7 @@ def resolve_tiers(
             prefix tier to feed the tiers (no CPU blocks, or ``offload: none``); the
             message names the key.
     """
-    tiers = []
+    tiers: list[SimTier] = []
     for i, raw in enumerate(_entries(section, key)):
         where = f"{key}[{i}]"
         if isinstance(raw, Mapping) and raw.get("demote") is not None and "write_policy" not in raw:
@@ -133,7 +133,7 @@ def resolve_tiers(
             raise ConfigError(f"{where}.write_policy: {old!r} is now {RENAMED[old]!r}")
         entry = validate(raw, ENTRY_SCHEMA, where)
         try:
-            kind = tier_kind(entry["type"])
+            kind = find_tier_kind(entry["type"])
         except InvalidArgumentError as exc:
             raise ConfigError(f"{where}.type: {exc}") from None
         name = profile_name(kind)

@@ -29,7 +29,7 @@ from typing import Any
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.schema import Field, non_negative, num, positive, validate
 from tiered_kv.tiers.link import TierLink
-from tiered_kv.tiers.tier_kind import TierConfig, known_tier_types, tier_kind
+from tiered_kv.tiers.tier_kind import TierConfig, find_tier_kind, known_tier_types
 
 GB = 1e9
 
@@ -83,7 +83,7 @@ def tier_media(section: Mapping[str, Any] | None, key: str = "hardware.tiers") -
         ConfigError: a name is no known kind's medium, a key is unknown, or a described
             medium lacks its bandwidth or its latency (the message names the key).
     """
-    names = {profile_name(tier_kind(t)) for t in known_tier_types()}
+    names = {profile_name(find_tier_kind(t)) for t in known_tier_types()}
     out: dict[str, TierMedium] = {}
     for name, d in (section or {}).items():
         if name not in names:

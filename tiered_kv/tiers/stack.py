@@ -33,7 +33,7 @@ def check_tier_configs(tiers: object) -> list[TierConfig]:
     """
     if tiers.__class__ not in (list, tuple):
         raise InvalidArgumentError(f"tiers must be a list of tier configurations, got {checks.describe(tiers)}")
-    out = [checks.instance(f"tiers[{i}]", t, TierConfig) for i, t in enumerate(tiers)]  # type: ignore[attr-defined]
+    out = [checks.instance(f"tiers[{i}]", t, TierConfig) for i, t in enumerate(tiers)]
     media = [t.medium for t in out]
     if len(set(media)) != len(media) or "CPU" in media:
         raise InvalidArgumentError(f"tiers must have distinct media below the CPU, got {media}")

@@ -114,7 +114,7 @@ def known_tier_types() -> list[str]:
     return sorted({*_KINDS, *(m.name for m in pkgutil.iter_modules(package.__path__))})
 
 
-def tier_kind(type_name: object) -> type[TierConfig]:
+def find_tier_kind(type_name: object) -> type[TierConfig]:
     """The kind registered as ``type_name``, importing the package's module for it if need be.
 
     Raises:
@@ -122,7 +122,7 @@ def tier_kind(type_name: object) -> type[TierConfig]:
     """
     if type_name.__class__ is not str:
         raise InvalidArgumentError(f"a tier type must be a string, got {checks.describe(type_name)}")
-    name: str = type_name  # type: ignore[assignment]
+    name: str = type_name
     if name not in _KINDS and name.isidentifier():
         module = f"{KINDS_PACKAGE}.{name}"
         try:

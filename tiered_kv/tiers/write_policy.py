@@ -35,7 +35,5 @@ def check_write_policy(name: str, value: object) -> str:
         InvalidArgumentError: an unknown value, or an old one (the message names the new one).
     """
     if value.__class__ is str and value in RENAMED:
-        raise InvalidArgumentError(
-            f"{name} must be one of {list(WRITE_POLICIES)}: {value!r} is now {RENAMED[value]!r}"  # type: ignore[index]
-        )
+        raise InvalidArgumentError(f"{name} must be one of {list(WRITE_POLICIES)}: {value!r} is now {RENAMED[value]!r}")
     return checks.choice(name, value, WRITE_POLICIES)  # type: ignore[no-any-return]
