@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tiered_kv import checks
-from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tiers.disk_store import DiskStore
 from tiered_kv.tiers.link import TierLink
 from tiered_kv.tiers.namespace import KVNamespace
 from tiered_kv.tiers.store import BlockStore
 from tiered_kv.tiers.tier_kind import TierConfig, register_tier_kind
+
+if TYPE_CHECKING:
+    from tiered_kv.storage.kv_storage import KVStorage  # its module needs torch: configs alone do not
 
 
 @register_tier_kind

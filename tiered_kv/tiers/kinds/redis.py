@@ -7,13 +7,15 @@ when one is built: the configuration alone imports nothing of it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tiers.link import TierLink
 from tiered_kv.tiers.namespace import KVNamespace
 from tiered_kv.tiers.store import BlockStore
 from tiered_kv.tiers.tier_kind import TierConfig, register_tier_kind
+
+if TYPE_CHECKING:
+    from tiered_kv.storage.kv_storage import KVStorage  # its module needs torch: configs alone do not
 
 
 @register_tier_kind
