@@ -50,7 +50,7 @@ class EngineConfig:
     num_cpu_blocks: int = 256
     block_size: int = 4
     layout: str = "block_contiguous"
-    victim_policy: str = "lru"
+    victim_policy: str = "last_admitted"
     mode: str = "auto"
     policy: str = "fcfs"
     max_num_batched_tokens: int = 512
@@ -87,8 +87,8 @@ class EngineConfig:
             self.max_num_batched_tokens,
             self.max_num_seqs,
             self.chunked_prefill,
-            policy=self.victim_policy,
+            policy=self.policy,
+            victim_policy=self.victim_policy,
             mode=self.mode,
-            scheduling=self.policy,
             layerwise=self.layerwise,
         )

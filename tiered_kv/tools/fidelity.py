@@ -45,7 +45,7 @@ def run_engine(st: RunSetup, workload: list[SimRequest], cal: Calibration) -> di
             num_cpu_blocks=st.num_cpu_blocks,
             block_size=st.block_size,
             layout=cal.layout,
-            victim_policy=st.policy,
+            victim_policy=st.victim_policy,
             mode=st.mode,
             offload=RENAMED.get(st.offload, st.offload),  # the simulator's config still says on_evict
             max_num_batched_tokens=st.max_num_batched_tokens,
