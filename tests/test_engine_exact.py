@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tiered_kv.engine.engine import Engine
+from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.transfer.cpu_engine import CpuCopyEngine
 
 LOGIT_TOL = 1e-4
@@ -40,7 +41,7 @@ def reference(prompt: list[int], layout: str) -> tuple[list[int], list[torch.Ten
     """The request alone, with ample memory: never preempted, nothing shared."""
     key = (tuple(prompt), layout)
     if key not in _REF:
-        e = Engine(num_gpu_blocks=64, layout=layout, record_logits=True)
+        e = Engine(config=EngineConfig(num_gpu_blocks=64, layout=layout, record_logits=True))
         e.add_request("r", prompt, MAX_TOKENS)
         out = e.run()["r"]
         _REF[key] = (out, e.logits["r"])
@@ -71,8 +72,8 @@ def check(engine: Engine, ps: dict[int, list[int]], layout: str, exact_logits: b
     return worst
 
 
-def run(ps, **kw) -> Engine:
-    e = Engine(record_logits=True, **kw)
+def run(ps, copy_engine=None, **kw) -> Engine:
+    e = Engine(config=EngineConfig(record_logits=True, **kw), copy_engine=copy_engine)
     for rid, p in ps.items():
         e.add_request(rid, p, MAX_TOKENS)
     e.run()
@@ -120,7 +121,11 @@ def test_prefix_onboarded_from_the_cpu_tier(layout, layerwise):
     first = {0: [*prefix, 1, 2, 3]}
     fillers = {i: [rng.randrange(512) for _ in range(40)] for i in (1, 2)}
     later = {3: [*prefix, 9, 8, 7, 6]}
-    e = Engine(num_gpu_blocks=24, layout=layout, offload="write_through", record_logits=True, layerwise=layerwise)
+    e = Engine(
+        config=EngineConfig(
+            num_gpu_blocks=24, layout=layout, offload="write_through", record_logits=True, layerwise=layerwise
+        )
+    )
     for group in (first, fillers, later):  # one after another: the fillers evict the prefix from the GPU
         for rid, p in group.items():
             e.add_request(rid, p, MAX_TOKENS)
@@ -134,7 +139,7 @@ def test_prefix_onboarded_from_the_cpu_tier(layout, layerwise):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_auto_mode_mixes_and_stays_exact(layout):
     ps = prompts(5, n=8)
-    e = run(ps, num_gpu_blocks=18, layout=layout, mode="auto", victim_policy="cost_aware", offload="on_evict")
+    e = run(ps, num_gpu_blocks=18, layout=layout, mode="auto", victim_policy="cost_aware", offload="write_back")
     c = e.metrics().counters
     assert c.preemptions_swap + c.preemptions_recompute > 0
     check(e, ps, layout, exact_logits=False)
@@ -189,11 +194,8 @@ def test_on_evict_offload_under_a_slow_copy_engine_serves_exact_tokens(window):
     fillers = {i: [rng.randrange(512) for _ in range(rng.randrange(30, 44))] for i in (1, 2, 3)}
     later = {4: [*prefix, 9, 8, 7, 6], 5: [*prefix[:16], 5, 5]}
     e = Engine(
-        num_gpu_blocks=24,
-        offload="on_evict",
+        config=EngineConfig(num_gpu_blocks=24, offload="write_back", record_logits=True, evict_window=window),
         copy_engine=SlowDeviceToHost,
-        record_logits=True,
-        evict_window=window,
     )
     for group in (first, fillers, later):
         for rid, p in group.items():

@@ -17,6 +17,7 @@ from engineutil import HAS_CUDA, HAS_CUPY
 from test_engine_exact import MAX_TOKENS, check, moved_blocks, prompts
 
 from tiered_kv.engine.engine import Engine
+from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.transfer.factory import make_copy_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
@@ -26,7 +27,9 @@ ENGINE_CLASS = {"cuda": "TorchCudaCopyEngine", "cupy": "CupyCopyEngine"}
 
 
 def engine(kind: str, **kw) -> Engine:
-    e = Engine(record_logits=True, device="cuda", copy_engine=lambda t: make_copy_engine(t, kind), **kw)
+    e = Engine(
+        config=EngineConfig(record_logits=True, device="cuda", **kw), copy_engine=lambda t: make_copy_engine(t, kind)
+    )
     assert e.tiers["GPU"].device.type == "cuda" and e.tiers["CPU"].pinned
     assert type(e.copy).__name__ == ENGINE_CLASS[kind]
     return e
@@ -133,7 +136,9 @@ def test_failed_cuda_copies_keep_requests_recoverable_and_exact():
         return eng
 
     ps = prompts(6)
-    e = Engine(record_logits=True, device="cuda", copy_engine=flaky, num_gpu_blocks=16, mode="swap")
+    e = Engine(
+        config=EngineConfig(record_logits=True, device="cuda", num_gpu_blocks=16, mode="swap"), copy_engine=flaky
+    )
     for rid, p in ps.items():
         e.add_request(rid, p, MAX_TOKENS)
     e.run()

@@ -38,9 +38,10 @@ from tiered_kv.manager import CostModel, Residency, TierManager
 from tiered_kv.manager.victim_policy import CostAwarePolicy
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.storage.spec import KVSpec
-from tiered_kv.tiers.chain import TierChain, TierPolicy
 from tiered_kv.tiers.disk_io import DiskIO
 from tiered_kv.tiers.disk_store import DiskStore
+from tiered_kv.tiers.kinds.disk import DiskTier
+from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.transfer import ControlledCopyEngine
 
 NUM_REQUESTS = 16
@@ -145,7 +146,7 @@ def drive(
         disk = DiskStore(tmp, NS, 10 * 4096)
         io = DiskIO(host(num_blocks=p["cpu"]), disk)
         closers = [io, disk]
-        tm.attach_tiers(TierChain([(tm.store, TierPolicy(p["demote"], 4)), (disk, TierPolicy("none"))]), {"DISK": io})
+        tm.attach_tiers([LowerTier(disk, io, DiskTier.default_link, p["demote"], 4)])
     config = SchedulerConfig(
         max_num_batched_tokens=p["budget"],
         max_num_seqs=p["seats"],

@@ -267,9 +267,11 @@ def test_a_prefill_is_stored_layer_by_layer_as_the_forward_pass_writes_it():
         return engines[-1]
 
     from tiered_kv.engine.engine import Engine
+    from tiered_kv.engine.engine_config import EngineConfig
 
     ps = prompts(7, n=3)
-    e = Engine(num_gpu_blocks=64, offload="write_through", layerwise=True, record_logits=True, copy_engine=make)
+    config = EngineConfig(num_gpu_blocks=64, offload="write_through", layerwise=True, record_logits=True)
+    e = Engine(config=config, copy_engine=make)
     eng = engines[0]
     for i, layer in enumerate(e.model.layers):
         layer.register_forward_hook(lambda *a, i=i: eng.events.append(("layer", i)))
@@ -300,11 +302,11 @@ def test_a_layerwise_store_failing_at_layer_k_stores_nothing_and_loses_nothing()
             super().copy_run_layer(plan, run, layer, non_blocking)
 
     from tiered_kv.engine.engine import Engine
+    from tiered_kv.engine.engine_config import EngineConfig
 
     ps = prompts(7, n=3)
-    e = Engine(
-        num_gpu_blocks=64, offload="write_through", layerwise=True, record_logits=True, copy_engine=FailsStoreAtLayer1
-    )
+    config = EngineConfig(num_gpu_blocks=64, offload="write_through", layerwise=True, record_logits=True)
+    e = Engine(config=config, copy_engine=FailsStoreAtLayer1)
     for rid, p in ps.items():
         e.add_request(rid, p, 10)
     e.run()

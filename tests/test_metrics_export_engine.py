@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiered_kv.engine.engine import Engine
+from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, MissingDependencyError
 from tiered_kv.manager.outcomes import Completion
 from tiered_kv.obs import LATENCY_BUCKETS_S, decision_reason
@@ -131,9 +132,9 @@ def workload(engine: Engine) -> None:
         engine.add_request(i, prefix + [rng.randrange(512) for _ in range(rng.randrange(6, 24))], 10)
 
 
-def make_engine(**kw) -> tuple[Engine, list[Completion]]:
-    kw.setdefault("copy_engine", Synchronous)
-    e = Engine(num_gpu_blocks=18, num_cpu_blocks=12, mode="auto", offload="write_through", **kw)
+def make_engine(copy_engine=Synchronous, **kw) -> tuple[Engine, list[Completion]]:
+    config = EngineConfig(num_gpu_blocks=18, num_cpu_blocks=12, mode="auto", offload="write_through", **kw)
+    e = Engine(config=config, copy_engine=copy_engine)
     applied: list[Completion] = []
     e.scheduler.completion_observers.append(applied.append)
     return e, applied
@@ -227,7 +228,7 @@ def test_serving_twice_is_refused_and_closing_twice_is_fine():
 def test_a_bad_metrics_port_fails_before_the_engine_starts_anything(port):
     before = set(threading.enumerate())
     with pytest.raises(InvalidArgumentError, match="metrics port must be an int from 0 to 65535"):
-        Engine(num_gpu_blocks=8, metrics_port=port)
+        Engine(config=EngineConfig(num_gpu_blocks=8, metrics_port=port))
     assert set(threading.enumerate()) == before
 
 
@@ -235,4 +236,4 @@ def test_without_prometheus_client_the_port_fails_with_the_extra_to_install(monk
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as on an install without the extra
     monkeypatch.delitem(sys.modules, "tiered_kv.obs.prometheus", raising=False)
     with pytest.raises(MissingDependencyError, match=r"pip install 'tiered-kv\[metrics\]'"):
-        Engine(num_gpu_blocks=8, metrics_port=0)
+        Engine(config=EngineConfig(num_gpu_blocks=8, metrics_port=0))

@@ -189,7 +189,12 @@ def test_simulate_prints_what_it_derived(tmp_path, monkeypatch, capsys):
 
 
 def test_a_tier_medium_the_profile_does_not_describe_is_listed_as_derived():
-    run = {"name": "disk", "mode": "recompute", "offload": "write_through", "tiers": {"disk": {"capacity_blocks": 16}}}
+    run = {
+        "name": "disk",
+        "mode": "recompute",
+        "offload": "write_through",
+        "tiers": [{"type": "disk", "capacity_blocks": 16}],
+    }
     st = setup(config(runs=[run]), 0)
     assert derived_fields(st)[-1] == (
         "hardware.tiers.disk = the manager's measured DISK link (the profile describes no disk)"

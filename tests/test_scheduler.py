@@ -235,8 +235,9 @@ def test_a_request_aborted_mid_step_needs_no_sampled_token_and_one_given_is_igno
 
 def test_engine_raises_instead_of_spinning_when_nothing_can_ever_run():
     from tiered_kv.engine.engine import Engine, EngineStalledError
+    from tiered_kv.engine.engine_config import EngineConfig
 
-    e = Engine(num_gpu_blocks=4, num_cpu_blocks=0, block_size=4)
+    e = Engine(config=EngineConfig(num_gpu_blocks=4, num_cpu_blocks=0, block_size=4))
     e.add_request("big", list(range(40)), 4)  # 10 blocks of KV: the GPU pool holds 3
     with pytest.raises(EngineStalledError, match="1 requests unfinished"):
         e.run(max_steps=50)

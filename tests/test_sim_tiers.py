@@ -56,7 +56,7 @@ def tiny(tmp_path: Path, runs: list[dict[str, Any]], disk: dict[str, Any] | None
 
 
 CPU_ONLY = {"name": "cpu", "mode": "recompute", "offload": "write_through"}
-WITH_DISK = {**CPU_ONLY, "name": "cpu+disk", "tiers": {"disk": {"capacity_blocks": 16}}}
+WITH_DISK = {**CPU_ONLY, "name": "cpu+disk", "tiers": [{"type": "disk", "capacity_blocks": 16}]}
 
 
 def simulate(cfg: dict[str, Any], index: int) -> tuple[dict[str, Any], Simulator]:
@@ -114,7 +114,7 @@ def test_without_the_disk_the_same_prefix_is_recomputed(tmp_path):
 
 
 def test_a_remote_tier_alone_is_a_suffix_of_the_chain_and_uses_the_default_link(tmp_path):
-    run = {**CPU_ONLY, "name": "cpu+remote", "tiers": {"remote": {"capacity_blocks": 16}}}
+    run = {**CPU_ONLY, "name": "cpu+remote", "tiers": [{"type": "redis", "capacity_blocks": 16}]}
     raw = tiny(tmp_path, [run])
     cfg = validate_config(raw)
     st = setup(cfg, 0)
@@ -222,21 +222,56 @@ def test_a_bad_tier_in_a_hardware_profile_is_refused_naming_its_key(tmp_path, ti
 
 
 RUN_TIERS_BAD = [
-    ({"disk": {"capacity_gib": -1}}, {}, r"runs\[0\]\.tiers\.disk\.capacity_gib: must be > 0"),
-    ({"disk": {"capacity_gib": math.nan}}, {}, r"runs\[0\]\.tiers\.disk\.capacity_gib: must be a finite number"),
-    ({"disk": {"capacity_blocks": 0}}, {}, r"runs\[0\]\.tiers\.disk\.capacity_blocks: must be > 0"),
-    ({"disk": {"capacity_blocks": 1}}, {}, r"runs\[0\]\.tiers\.disk\.capacity_blocks: must be >= 2"),
-    ({"disk": {"capacity_gib": 1e-9}}, {}, r"runs\[0\]\.tiers\.disk\.capacity_gib: .* fewer than 2 blocks"),
-    ({"disk": {"capacity_gib": 1, "capacity_blocks": 4}}, {}, r"runs\[0\]\.tiers\.disk: give capacity_gib or"),
-    ({"tape": {"capacity_gib": 1}}, {}, r"runs\[0\]\.tiers\.tape: unknown key"),
-    ({"disk": {"size": 1}}, {}, r"runs\[0\]\.tiers\.disk\.size: unknown key"),
-    ({"disk": {"capacity_blocks": 8}, "demote": "sometimes"}, {}, r"runs\[0\]\.tiers\.demote: must be one of"),
-    ({"disk": {"capacity_blocks": 8}}, {"offload": "none"}, r"runs\[0\]\.tiers: .* offload: write_through"),
-    ({"disk": {"capacity_blocks": 8}}, {"cpu_kv_gib": 0, "offload": "none"}, r"runs\[0\]\.tiers: .* no CPU blocks"),
+    ([{"type": "disk", "capacity_gib": -1}], {}, r"runs\[0\]\.tiers\[0\]\.capacity_gib: must be > 0"),
+    ([{"type": "disk", "capacity_gib": math.nan}], {}, r"runs\[0\]\.tiers\[0\]\.capacity_gib: must be a finite number"),
+    ([{"type": "disk", "capacity_blocks": 0}], {}, r"runs\[0\]\.tiers\[0\]\.capacity_blocks: must be > 0"),
+    ([{"type": "disk", "capacity_blocks": 1}], {}, r"runs\[0\]\.tiers\[0\]\.capacity_blocks: must be >= 2"),
+    ([{"type": "disk", "capacity_gib": 1e-9}], {}, r"runs\[0\]\.tiers\[0\]\.capacity_gib: .* fewer than 2 blocks"),
+    ([{"type": "disk", "capacity_gib": 1, "capacity_blocks": 4}], {}, r"runs\[0\]\.tiers\[0\]: give capacity_gib or"),
+    ([{"type": "disk"}], {}, r"runs\[0\]\.tiers\[0\]: give capacity_gib or capacity_blocks"),
     (
-        {"disk": {"capacity_blocks": 8}, "demote": "write_back", "writeback_reserve": 9},
+        [{"type": "tape", "capacity_gib": 1}],
         {},
-        r"runs\[0\]\.tiers\.writeback_reserve: 9 blocks is more than the disk tier holds \(8 blocks\)",
+        r"runs\[0\]\.tiers\[0\]\.type: unknown tier type 'tape'; known types: \['disk', .*'redis'\]",
+    ),
+    ([{"capacity_gib": 1}], {}, r"runs\[0\]\.tiers\[0\]\.type: required key is missing"),
+    ([{"type": "disk", "size": 1}], {}, r"runs\[0\]\.tiers\[0\]\.size: unknown key"),
+    (
+        [{"type": "disk", "capacity_blocks": 8}, {"type": "disk", "capacity_blocks": 8}],
+        {},
+        r"runs\[0\]\.tiers\[1\]\.type: a run has one tier per medium",
+    ),
+    (
+        [{"type": "disk", "capacity_blocks": 8, "write_policy": "sometimes"}],
+        {},
+        r"runs\[0\]\.tiers\[0\]\.write_policy: must be one of",
+    ),
+    (
+        [{"type": "disk", "capacity_blocks": 8, "write_policy": "on_evict"}],
+        {},
+        r"runs\[0\]\.tiers\[0\]\.write_policy: 'on_evict' is now 'write_back'",
+    ),
+    (
+        [{"type": "disk", "capacity_blocks": 8, "demote": "write_back"}],
+        {},
+        r"runs\[0\]\.tiers\[0\]\.demote: is now write_policy:",
+    ),
+    (
+        {"disk": {"capacity_blocks": 8}},
+        {},
+        r"runs\[0\]\.tiers: tiers are now a list of entries .*\[\{type: disk, \.\.\.\}\]",
+    ),
+    ("disk", {}, r"runs\[0\]\.tiers: expected a list"),
+    ([{"type": "disk", "capacity_blocks": 8}], {"offload": "none"}, r"runs\[0\]\.tiers: .* offload: write_through"),
+    (
+        [{"type": "disk", "capacity_blocks": 8}],
+        {"cpu_kv_gib": 0, "offload": "none"},
+        r"runs\[0\]\.tiers: .* no CPU blocks",
+    ),
+    (
+        [{"type": "disk", "capacity_blocks": 8, "write_policy": "write_back", "writeback_reserve": 9}],
+        {},
+        r"runs\[0\]\.tiers\[0\]\.writeback_reserve: 9 blocks is more than the disk tier holds \(8 blocks\)",
     ),
 ]
 

@@ -17,15 +17,19 @@ from tierutil import NS, host
 
 from tiered_kv.core import Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, PlanError, StorageError, TieredKVError
-from tiered_kv.manager import CPUStore, Residency
-from tiered_kv.manager.cost_model import ConfigError, CostModel, TierLink
+from tiered_kv.manager import Residency
+from tiered_kv.manager.cost_model import ConfigError, CostModel
 from tiered_kv.manager.demotion import RETRY_POLLS
 from tiered_kv.manager.pricing import price_load
 from tiered_kv.sched import Scheduler
 from tiered_kv.sched.status import RequestStatus
-from tiered_kv.tiers.chain import TierChain, TierPolicy
+from tiered_kv.tiers.chain import TierPolicy
 from tiered_kv.tiers.disk_io import DiskIO
 from tiered_kv.tiers.disk_store import DiskStore
+from tiered_kv.tiers.kinds.disk import DiskTier
+from tiered_kv.tiers.kinds.redis import RedisTier
+from tiered_kv.tiers.link import TierLink
+from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.transfer.plan import CPU, PlanKind
 
 SLOT = 4096  # a 512-byte block's file, rounded up to the allocation unit
@@ -52,13 +56,12 @@ class Gate:
 class Setup:
     """A manager (GPU 9, CPU 4 blocks of 4 tokens) with a disk tier of 16 blocks below its CPU store."""
 
-    def __init__(self, tmp_path, demote: str = "write_through", links=None, cpu: int = 5, disk_blocks: int = 16):
+    def __init__(self, tmp_path, demote: str = "write_through", link=None, cpu: int = 5, disk_blocks: int = 16):
         self.tm, self.eng = make_tm(gpu=9, cpu=cpu, offload="write_through")
         self.gate = Gate()
         self.disk = DiskStore(tmp_path, NS, disk_blocks * SLOT)
         self.io = DiskIO(host(num_blocks=cpu), self.disk, fault_hook=self.gate)
-        self.chain = TierChain([(self.tm.store, TierPolicy(demote, 16)), (self.disk, TierPolicy("none"))])
-        self.tm.attach_tiers(self.chain, {"DISK": self.io}, links)
+        self.tm.attach_tiers([LowerTier(self.disk, self.io, link or DiskTier.default_link, demote, 16)])
 
     def settle(self) -> list:
         """Land every copy (the controlled ones at once, the disk ones when their threads finish) and poll."""
@@ -161,7 +164,7 @@ def test_when_no_block_lands_the_load_completes_with_nothing_and_the_request_kee
 
 
 def test_a_tier_slower_than_recomputing_is_not_loaded_and_the_log_says_why(tmp_path):
-    s = Setup(tmp_path, links={"DISK": TierLink(bytes_per_s=1e6, block_latency_s=0.5)})
+    s = Setup(tmp_path, link=TierLink(bytes_per_s=1e6, block_latency_s=0.5))
     try:
         s.prefix_on_disk_only()
         q = Request("Q", letters("AAAABBBBCCCCX"))
@@ -250,8 +253,12 @@ def test_write_back_from_disk_to_a_remote_tier_passes_through_the_cpu_tier_and_l
 
     cpu_host = host(num_blocks=5)
     io = {"DISK": DiskIO(cpu_host, disk), "REMOTE": RedisIO(cpu_host, remote, fault_hook=hook)}
-    policies = (TierPolicy("write_through"), TierPolicy("write_back", 16), TierPolicy("none"))
-    tm.attach_tiers(TierChain(list(zip((tm.store, disk, remote), policies, strict=True))), io)
+    tm.attach_tiers(
+        [
+            LowerTier(disk, io["DISK"], DiskTier.default_link, "write_through"),
+            LowerTier(remote, io["REMOTE"], RedisTier.default_link, "write_back", 16),
+        ]
+    )
     s = Setup.__new__(Setup)  # reuse its settle loop over this manager
     s.tm, s.eng = tm, eng
     try:
@@ -325,33 +332,43 @@ def test_bad_tiers_are_refused_and_change_nothing(tmp_path):
     tm, _eng = make_tm(offload="write_through")
     disk = DiskStore(tmp_path / "d", NS, 8 * SLOT)
     io = DiskIO(host(), disk)
-    good = TierChain([(tm.store, TierPolicy("write_back", 8)), (disk, TierPolicy("none"))])
-    thrashing = TierChain([(tm.store, TierPolicy("write_back", 9)), (disk, TierPolicy("none"))])
-    other = TierChain([(CPUStore(9), TierPolicy()), (disk, TierPolicy("none"))])
-    only_cpu = TierChain([(tm.store, TierPolicy("none"))])
+    link = DiskTier.default_link
+    good = [LowerTier(disk, io, link, "write_back", 8)]
+    other_disk = DiskStore(tmp_path / "e", NS, 8 * SLOT)
     before = tm_snapshot(tm)
     cases = [
-        ((other, {"DISK": io}), "first tier must be this manager's CPU store"),
-        ((only_cpu, {}), "no tier below the CPU"),
-        ((thrashing, {"DISK": io}), r"writeback_reserve is 9, more than the DISK tier below holds \(8 blocks\)"),
-        (("chain", {"DISK": io}), "must be a tier chain"),
-        ((good, {}), r"engines must map each medium below the CPU \(\['DISK'\]\)"),
-        ((good, {"DISK": io, "REMOTE": io}), "engines must map"),
-        ((good, {"DISK": object()}), r"engines\['DISK'\] must have submit\(\) and cancel\(\)"),
-        ((good, {"DISK": io}, {"REMOTE": TierLink(1e9, 0)}), r"links names media \['REMOTE'\]"),
-        ((good, {"DISK": io}, {"DISK": (1e9, 0)}), r"links\['DISK'\] must be a TierLink"),
-        ((good, {"DISK": io}, [1]), "links must map media to TierLinks"),
+        ([LowerTier(tm.store, io, link)], "each tier below the CPU needs its own store"),
+        ([LowerTier(disk, io, link), LowerTier(disk, io, link)], "each tier below the CPU needs its own store"),
+        ([], "no tier below the CPU"),
+        (
+            [LowerTier(disk, io, link, "write_back", 9)],
+            r"tiers\[0\]\.writeback_reserve is 9, more than the DISK tier holds \(8 blocks\)",
+        ),
+        ("chain", "tiers must be a list of LowerTier entries"),
+        ([disk], r"tiers\[0\] must be a LowerTier"),
+        (
+            [LowerTier(disk, io, link), LowerTier(other_disk, io, link)],
+            r"tiers must have distinct media, got \['CPU', 'DISK', 'DISK'\]",
+        ),
     ]
-    for args, message in cases:
+    for tiers, message in cases:
         with pytest.raises(InvalidArgumentError, match=message):
-            tm.attach_tiers(*args)
+            tm.attach_tiers(tiers)
         assert tm_snapshot(tm) == before and tm.load_log == [] and tm.store.enable_events is False
+    with pytest.raises(InvalidArgumentError, match=r"LowerTier.io must have submit\(\) and cancel\(\)"):
+        LowerTier(disk, object(), link)
+    with pytest.raises(InvalidArgumentError, match=r"LowerTier.link must be a TierLink"):
+        LowerTier(disk, io, (1e9, 0))
+    with pytest.raises(
+        InvalidArgumentError, match=r"LowerTier.write_policy must be one of .*'on_evict' is now 'write_back'"
+    ):
+        LowerTier(disk, io, link, "on_evict")
     no_cpu, _ = make_tm(cpu=0)
     with pytest.raises(InvalidArgumentError, match="need a CPU tier"):
-        no_cpu.attach_tiers(good, {"DISK": io})
-    tm.attach_tiers(good, {"DISK": io})
+        no_cpu.attach_tiers(good)
+    tm.attach_tiers(good)
     with pytest.raises(InvalidTransitionError, match="attached already"):
-        tm.attach_tiers(good, {"DISK": io})
+        tm.attach_tiers(good)
     with pytest.raises(InvalidArgumentError, match="demote"):
         TierPolicy("sideways")
     blocker = tmp_path / "a-file"
@@ -361,6 +378,7 @@ def test_bad_tiers_are_refused_and_change_nothing(tmp_path):
     assert isinstance(err.value, TieredKVError)
     io.close()
     disk.close()
+    other_disk.close()
 
 
 # ------------------------------------------------------------ pricing

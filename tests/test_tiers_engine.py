@@ -23,9 +23,11 @@ from tierutil import NS, RedisServer, host, need_redis_server
 from tiered_kv.core import BlockHasher
 from tiered_kv.core.request import Request
 from tiered_kv.engine.engine import Engine
+from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.errors import InvalidArgumentError, StorageError
-from tiered_kv.manager.cost_model import TierLink
 from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.kinds.disk import DiskTier
+from tiered_kv.tiers.kinds.redis import RedisTier
 from tiered_kv.tiers.stack import TierStack
 
 _rng = random.Random(4)
@@ -36,9 +38,10 @@ LATER = {4: [*PREFIX, 9, 8, 7, 6]}
 EVERYONE = {**FIRST, **FILLERS[0], **FILLERS[1], **FILLERS[2], **LATER}
 
 
-def tiered(**kw) -> Engine:
+def tiered(*tiers, **kw) -> Engine:
     """An engine whose CPU tier holds 7 blocks: the fillers evict the prefix from it (and from the GPU)."""
-    return Engine(num_gpu_blocks=24, num_cpu_blocks=8, offload="write_through", record_logits=True, **kw)
+    config = EngineConfig(num_gpu_blocks=24, num_cpu_blocks=8, offload="write_through", record_logits=True, **kw)
+    return Engine(config=config, tiers=list(tiers))
 
 
 def serve(engine: Engine, groups: list[dict[int, list[int]]]) -> None:
@@ -64,7 +67,7 @@ def redis_server():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_prefix_evicted_from_gpu_and_cpu_is_loaded_from_disk_with_the_same_tokens(tmp_path, layout):
-    e = tiered(layout=layout, disk_dir=tmp_path, disk_bytes=1 << 22)
+    e = tiered(DiskTier(path=tmp_path, capacity_bytes=1 << 22), layout=layout)
     serve(e, [FIRST, *FILLERS])
     assert not any(e.scheduler.tm.store.contains(k) for k in prefix_keys())  # gone from the CPU tier
     assert e.metrics().lower_tiers["DISK"].loaded_blocks == 0
@@ -80,12 +83,12 @@ def test_a_prefix_evicted_from_gpu_and_cpu_is_loaded_from_disk_with_the_same_tok
 
 
 def test_a_restarted_engine_finds_the_prefix_its_predecessor_left_on_disk(tmp_path):
-    first = tiered(disk_dir=tmp_path)
+    first = tiered(DiskTier(path=tmp_path))
     serve(first, [FIRST])  # the run ends with its CPU tier written back
     first.close()
     assert first.metrics().lower_tiers["DISK"].stored_blocks >= 6
-    e = tiered(disk_dir=tmp_path)
-    assert e.tier_stack.disk.disk_stats.recovered >= 6
+    e = tiered(DiskTier(path=tmp_path))
+    assert e.tier_stack.stores["DISK"].disk_stats.recovered >= 6
     serve(e, [LATER])
     e.close()
     d = e.metrics().lower_tiers["DISK"]
@@ -96,21 +99,23 @@ def test_a_restarted_engine_finds_the_prefix_its_predecessor_left_on_disk(tmp_pa
 
 
 def test_a_prefix_evicted_from_gpu_and_cpu_is_loaded_from_a_real_redis_server(redis_server):
-    e = tiered(redis_url=redis_server.url)
+    e = tiered(RedisTier(server=redis_server.url))
     serve(e, [FIRST, *FILLERS, LATER])
     e.close()
     m = e.metrics()
     r = m.lower_tiers["REMOTE"]
     assert r.loaded_blocks >= 5 and r.load_failed_blocks == 0 and r.stored_blocks >= 6
-    assert e.tier_stack.remote.remote_stats.health.errors == 0
+    assert e.tier_stack.stores["REMOTE"].remote_stats.health.errors == 0
     assert "DISK" not in m.lower_tiers
     check(e, EVERYONE, "block_contiguous", exact_logits=False)
 
 
 def test_with_three_tiers_a_prefix_that_fell_out_of_a_small_disk_too_comes_back_from_redis(tmp_path, redis_server):
-    e = tiered(disk_dir=tmp_path, disk_bytes=4 * 8192, redis_url=redis_server.url)  # the disk holds 4 blocks
+    e = tiered(
+        DiskTier(path=tmp_path, capacity_bytes=4 * 8192), RedisTier(server=redis_server.url)
+    )  # the disk holds 4 blocks
     serve(e, [FIRST, *FILLERS])
-    assert not any(e.tier_stack.disk.contains(k) for k in prefix_keys())
+    assert not any(e.tier_stack.stores["DISK"].contains(k) for k in prefix_keys())
     serve(e, [LATER])
     e.close()
     m = e.metrics()
@@ -122,7 +127,7 @@ def test_with_three_tiers_a_prefix_that_fell_out_of_a_small_disk_too_comes_back_
 
 
 def test_a_full_disk_costs_only_recomputation(tmp_path):
-    e = tiered(disk_dir=tmp_path, disk_bytes=1 << 22)
+    e = tiered(DiskTier(path=tmp_path, capacity_bytes=1 << 22))
 
     def full(op: str, key: object) -> None:
         if op == "store":
@@ -139,9 +144,9 @@ def test_a_full_disk_costs_only_recomputation(tmp_path):
 
 
 def test_a_corrupt_block_file_ends_the_loaded_prefix_and_the_rest_is_recomputed(tmp_path):
-    e = tiered(disk_dir=tmp_path, disk_bytes=1 << 22)
+    e = tiered(DiskTier(path=tmp_path, capacity_bytes=1 << 22))
     serve(e, [FIRST, *FILLERS])
-    path = e.tier_stack.disk.path_of(prefix_keys()[3])
+    path = e.tier_stack.stores["DISK"].path_of(prefix_keys()[3])
     torn = path.read_bytes()
     path.write_bytes(torn[: len(torn) // 2])  # a torn write: half a block under the block's name
     serve(e, [LATER])
@@ -155,7 +160,7 @@ def test_a_corrupt_block_file_ends_the_loaded_prefix_and_the_rest_is_recomputed(
 
 
 def test_redis_dying_mid_store_costs_only_recomputation(redis_server):
-    e = tiered(redis_url=redis_server.url)
+    e = tiered(RedisTier(server=redis_server.url))
 
     def die(op: str, key: object) -> None:
         if op == "store":
@@ -166,12 +171,12 @@ def test_redis_dying_mid_store_costs_only_recomputation(redis_server):
     e.close()
     r = e.metrics().lower_tiers["REMOTE"]
     assert r.store_failed_blocks >= 1 and r.stored_blocks == 0 and r.loaded_blocks == 0
-    assert e.tier_stack.remote.remote_stats.health.errors >= 1
+    assert e.tier_stack.stores["REMOTE"].remote_stats.health.errors >= 1
     check(e, EVERYONE, "block_contiguous", exact_logits=False)
 
 
 def test_redis_dying_mid_load_costs_only_recomputation(redis_server):
-    e = tiered(redis_url=redis_server.url)
+    e = tiered(RedisTier(server=redis_server.url))
     serve(e, [FIRST, *FILLERS])
     assert e.metrics().lower_tiers["REMOTE"].stored_blocks >= 6
 
@@ -193,19 +198,23 @@ def test_bad_tier_options_fail_and_leave_nothing_open(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(StorageError, match="cannot use directory"):
-        Engine(disk_dir=blocker / "tiers")
-    with pytest.raises(InvalidArgumentError, match="demote must be one of"):
-        Engine(disk_dir=tmp_path / "d", demote="sideways")
+        Engine(tiers=[DiskTier(path=blocker / "tiers")])
+    with pytest.raises(InvalidArgumentError, match="write_policy must be one of"):
+        Engine(tiers=[DiskTier(path=tmp_path / "d", write_policy="sideways")])
     with pytest.raises(InvalidArgumentError, match="num_cpu_blocks=0"):
-        Engine(disk_dir=tmp_path / "d", num_cpu_blocks=0)
-    with pytest.raises(InvalidArgumentError, match=r"links names media \['REMOTE'\]"):
-        Engine(disk_dir=tmp_path / "d", tier_links={"REMOTE": TierLink(1e9, 0.0)})
+        Engine(config=EngineConfig(num_cpu_blocks=0), tiers=[DiskTier(path=tmp_path / "d")])
+    with pytest.raises(
+        InvalidArgumentError, match=r"tiers must have distinct media below the CPU, got \['DISK', 'DISK'\]"
+    ):
+        Engine(tiers=[DiskTier(path=tmp_path / "d"), DiskTier(path=tmp_path / "e")])
+    with pytest.raises(InvalidArgumentError, match=r"DiskTier.link must be a TierLink"):
+        DiskTier(path=tmp_path / "d", link=(1e9, 0.0))
     assert not (tmp_path / "d").exists()  # refused before a directory was made
-    e = Engine(disk_dir=tmp_path / "d")
+    e = Engine(tiers=[DiskTier(path=tmp_path / "d")])
     with pytest.raises(StorageError, match="in use by another store"):
-        Engine(disk_dir=tmp_path / "d")
+        Engine(tiers=[DiskTier(path=tmp_path / "d")])
     e.close()
-    Engine(disk_dir=tmp_path / "d").close()  # closing released the directory
+    Engine(tiers=[DiskTier(path=tmp_path / "d")]).close()  # closing released the directory
     for _ in range(1000):
         if set(threading.enumerate()) <= threads:
             break
@@ -215,12 +224,12 @@ def test_bad_tier_options_fail_and_leave_nothing_open(tmp_path):
 
 def test_a_tier_stack_needs_a_tier_below_and_caps_write_back_at_what_that_tier_holds(tmp_path):
     cpu = CPUStore(9)
-    with pytest.raises(InvalidArgumentError, match="needs disk_dir= or redis="):
-        TierStack(cpu, host(num_blocks=9), NS)
+    with pytest.raises(InvalidArgumentError, match="needs at least one tier below the CPU"):
+        TierStack(cpu, host(num_blocks=9), NS, [])
     with pytest.raises(InvalidArgumentError, match="does not match its store"):
-        TierStack(cpu, host(num_blocks=5), NS, disk_dir=tmp_path)
+        TierStack(cpu, host(num_blocks=5), NS, [DiskTier(path=tmp_path)])
     assert not any(tmp_path.iterdir())  # refused before anything was made
-    with TierStack(cpu, host(num_blocks=9), NS, disk_dir=tmp_path, disk_bytes=3 * 4096) as stack:
-        assert stack.chain.media == ("CPU", "DISK") and list(stack.engines) == ["DISK"]
-        assert [p.writeback_reserve for p in stack.chain.policies] == [3, 16]  # 3: all the disk holds
-        assert [p.demote for p in stack.chain.policies] == ["write_back", "none"]
+    with TierStack(cpu, host(num_blocks=9), NS, [DiskTier(path=tmp_path, capacity_bytes=3 * 4096)]) as stack:
+        assert [t.medium for t in stack.entries] == ["DISK"] and list(stack.engines) == ["DISK"]
+        assert [t.writeback_reserve for t in stack.entries] == [3]  # 3: all the disk holds
+        assert [t.write_policy for t in stack.entries] == ["write_back"]

@@ -53,6 +53,7 @@ from tiered_kv.bench.link import SwapTimer, blocks_for, check_tiers_fit, link_na
 from tiered_kv.bench.model import LlamaShape, RandomLlama
 from tiered_kv.bench.timing import RowFile, Stopwatch, relative_spread, spread, sync_device
 from tiered_kv.engine.engine import Engine
+from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.errors import ConfigError, ResourceLimitError
 from tiered_kv.manager.cost_model import CostModel, nnls
@@ -281,15 +282,17 @@ def fit_step_model(
     for k, (max_seqs, gpu_blocks, mode, offload) in enumerate(runs, 1):
         e = Engine(
             config,
-            num_gpu_blocks=gpu_blocks,
-            num_cpu_blocks=8192 // block_size,
-            block_size=block_size,
-            layout=layout,
-            max_num_batched_tokens=512,
-            max_num_seqs=max_seqs,
-            device=device,
-            mode=mode,
-            offload=offload,
+            EngineConfig(
+                num_gpu_blocks=gpu_blocks,
+                num_cpu_blocks=8192 // block_size,
+                block_size=block_size,
+                layout=layout,
+                max_num_batched_tokens=512,
+                max_num_seqs=max_seqs,
+                device=device,
+                mode=mode,
+                offload=offload,
+            ),
         )
         for i in range(max(4, int(scale * (3 * max_seqs + 8)))):
             prompt = [rng.randrange(config.vocab_size) for _ in range(rng.randrange(16, max_prompt))]

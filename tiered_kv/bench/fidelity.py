@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.engine.engine import Engine
+from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.engine.model import ModelConfig
 from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import Calibration, load_calibration
@@ -23,6 +24,7 @@ from tiered_kv.sim.config import RunSetup, load_config, setup
 from tiered_kv.sim.progress import PhaseHook
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.workload import SimRequest
+from tiered_kv.tiers.write_policy import RENAMED
 
 METRICS = ("throughput_rps", "transfer_s", "recompute_s")
 
@@ -38,18 +40,20 @@ def run_engine(st: RunSetup, workload: list[SimRequest], cal: Calibration) -> di
     config = ModelConfig(**fields)
     engine = Engine(
         config,
-        num_gpu_blocks=st.num_gpu_blocks,
-        num_cpu_blocks=st.num_cpu_blocks,
-        block_size=st.block_size,
-        layout=cal.layout,
-        victim_policy=st.victim_policy,
-        mode=st.mode,
-        offload=st.offload,
-        max_num_batched_tokens=st.max_num_batched_tokens,
-        max_num_seqs=st.max_num_seqs,
-        chunked_prefill=st.chunked_prefill,
+        EngineConfig(
+            num_gpu_blocks=st.num_gpu_blocks,
+            num_cpu_blocks=st.num_cpu_blocks,
+            block_size=st.block_size,
+            layout=cal.layout,
+            victim_policy=st.victim_policy,
+            mode=st.mode,
+            offload=RENAMED.get(st.offload, st.offload),  # the simulator's config still says on_evict
+            max_num_batched_tokens=st.max_num_batched_tokens,
+            max_num_seqs=st.max_num_seqs,
+            chunked_prefill=st.chunked_prefill,
+            hash_fn=st.hash_fn,
+        ),
         cost_model=st.cost_model,
-        hash_fn=st.hash_fn,
     )
     vocab = config.vocab_size
     pending = deque(sorted(workload, key=lambda r: (r.arrival, r.rid)))

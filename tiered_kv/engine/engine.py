@@ -11,25 +11,26 @@ copy, the engine waits for that copy.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tiered_kv import checks
 from tiered_kv.core.request import Request
+from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, TieredKVError
-from tiered_kv.manager.cost_model import CostModel, TierLink
+from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.metrics import MetricsSnapshot
-from tiered_kv.manager.tier_checks import check_links
 from tiered_kv.manager.tier_manager import TierManager
-from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
+from tiered_kv.sched import Scheduler, SchedulerOutput
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tiers.namespace import KVNamespace
-from tiered_kv.tiers.stack import TierStack
+from tiered_kv.tiers.stack import TierStack, check_tier_configs
+from tiered_kv.tiers.tier_kind import TierConfig
 from tiered_kv.transfer.event_handle import EventTransferHandle
 from tiered_kv.transfer.factory import make_copy_engine
 from tiered_kv.transfer.plan import TransferHandle
@@ -37,6 +38,10 @@ from tiered_kv.transfer.storage_engine import StorageEngineBase
 
 if TYPE_CHECKING:
     from tiered_kv.obs.prometheus import MetricsServer
+
+
+MANAGER_OFFLOAD = {"write_back": "on_evict"}
+"""The tier manager's own word for a write policy, where it still has one of its own."""
 
 
 class EngineStalledError(TieredKVError, RuntimeError):
@@ -55,173 +60,99 @@ class EngineStats:
     step_log: list[tuple[int, float, float, int, float, float]] = field(default_factory=list)
 
 
-def _check_extras(
-    metrics_port: int | None,
-    disk_dir: str | os.PathLike[str] | None,
-    redis_url: str | None,
-    tier_links: Mapping[str, TierLink] | None,
-) -> list[str]:
-    """Check the options of the extras; return the media of the tiers below the CPU.
-
-    A bad port, a missing extra or a bad link for a lower tier fails here,
-    before anything is allocated.
-    """
-    if metrics_port is not None:
-        from tiered_kv.obs.prometheus import check_port
-
-        check_port(metrics_port)
-    lower = [m for m, on in (("DISK", disk_dir is not None), ("REMOTE", redis_url is not None)) if on]
-    if lower:
-        check_links(tier_links, lower)
-    return lower
-
-
 class Engine:
     """A serving engine over a :class:`TinyLlama`.
 
     Args:
         model_config: The model (seeded random weights).
-        num_gpu_blocks / num_cpu_blocks: Tier sizes (null block included).
-        block_size: Tokens per block.
-        layout: KV layout of both tiers.
-        victim_policy / mode: The scheduler's victim policy and preemption mode.
-        offload / evict_window: The tier manager's CPU prefix-tier policy.
+        config: Sizes, scheduling and options (:class:`EngineConfig`; default: its defaults).
+        tiers: The tiers below the CPU tier, from the CPU down: a list of tier
+            configurations (:class:`~tiered_kv.tiers.tier_kind.TierConfig`, e.g.
+            ``[DiskTier(path=...), RedisTier(server="redis://...")]``), built by a
+            :class:`~tiered_kv.tiers.stack.TierStack` (:attr:`tier_stack`) and
+            closed by :meth:`close`.  They stage through the CPU tier.
         cost_model: For the cost-aware policy (e.g. from ``tiered-kv crossover``).
         copy_engine: Factory ``tiers -> engine``; default: CUDA streams on a GPU, else CPU threads.
-        record_logits: Keep the logits every sampled token came from.
-        layerwise: Move KV layer by layer.  A resumed request computes in the
-            step its load starts, layer ``i`` waiting only for layer ``i`` of
-            the load (on CUDA the compute stream waits on the layer's event; on
-            the CPU the host waits for the layer).  With write-through, a
-            prefill's blocks are stored layer by layer as the forward pass
-            writes them.
-        metrics_port: Serve Prometheus metrics on this port of 127.0.0.1 (0: a
-            free port; see :meth:`serve_metrics`).  Needs the metrics extra.
-        disk_dir / disk_bytes: A disk tier below the CPU tier, in this directory,
-            using at most this many bytes (see :class:`~tiered_kv.tiers.TierStack`).
-        redis_url / remote_ttl_s: A remote tier on this Redis server, lowest of
-            all; blocks live there this long after their last use (``None``: the
-            server's own eviction decides).  Needs the redis extra.
-        demote: How blocks go down the tiers: ``"write_back"`` (before they would
-            be evicted), ``"write_through"`` (as soon as stored) or ``"none"``.
-        tier_links: Medium -> :class:`~tiered_kv.manager.cost_model.TierLink`, to
-            price loads from the tiers below the CPU (defaults: an NVMe disk, a 10 GbE network).
+
+    Raises:
+        InvalidArgumentError: a bad tier list, or tiers without a CPU tier, before
+            anything is allocated or opened; whatever fails later, nothing stays open.
     """
 
     def __init__(
         self,
         model_config: ModelConfig | None = None,
+        config: EngineConfig | None = None,
         *,
-        num_gpu_blocks: int = 64,
-        num_cpu_blocks: int = 256,
-        block_size: int = 4,
-        layout: str = "block_contiguous",
-        victim_policy: str = "last_admitted",
-        mode: str = "auto",
-        offload: str = "none",
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 32,
-        chunked_prefill: bool = True,
+        tiers: Sequence[TierConfig] = (),
         cost_model: CostModel | None = None,
         copy_engine: Callable[[dict[str, KVStorage]], StorageEngineBase] | None = None,
-        device: str | None = None,
-        record_logits: bool = False,
-        hash_fn: str = "sha256",
-        evict_window: int = 64,
-        layerwise: bool = False,
-        metrics_port: int | None = None,
-        disk_dir: str | os.PathLike[str] | None = None,
-        disk_bytes: int = 1 << 30,
-        redis_url: str | None = None,
-        remote_ttl_s: float | None = None,
-        demote: str = "write_back",
-        tier_links: Mapping[str, TierLink] | None = None,
     ) -> None:
-        lower = _check_extras(metrics_port, disk_dir, redis_url, tier_links)
+        cfg = checks.instance("config", config if config is not None else EngineConfig(), EngineConfig)
+        lower = check_tier_configs(tiers)
+        if lower and not cfg.num_cpu_blocks:
+            raise InvalidArgumentError("tiers below the CPU stage through the CPU tier: num_cpu_blocks=0")
+        self.engine_config: EngineConfig = cfg
         self.config = model_config or ModelConfig()
-        self.device = device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        spec = self.config.kv_spec(block_size)
+        self.device = device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        spec = self.config.kv_spec(cfg.block_size)
         self.tiers = {
-            "GPU": KVStorage(spec, num_gpu_blocks, "GPU", layout, device=device),
-            "CPU": KVStorage(spec, max(num_cpu_blocks, 2), "CPU", layout),
+            "GPU": KVStorage(spec, cfg.num_gpu_blocks, "GPU", cfg.layout, device=device),
+            "CPU": KVStorage(spec, max(cfg.num_cpu_blocks, 2), "CPU", cfg.layout),
         }
         self.copy = (copy_engine or make_copy_engine)(self.tiers)
-        manager_options = {"offload": offload, "hash_fn": hash_fn, "evict_window": evict_window}
-        tm = self._make_manager(num_gpu_blocks, num_cpu_blocks, block_size, cost_model, manager_options)
-        sched_config = SchedulerConfig(
-            max_num_batched_tokens,
-            max_num_seqs,
-            chunked_prefill,
-            victim_policy=victim_policy,
-            mode=mode,
-            layerwise=layerwise,
-        )
-        self.scheduler = Scheduler(tm, sched_config)
+        tm = self._make_manager(cfg, cost_model)
+        self.scheduler = Scheduler(tm, cfg.scheduler_config())
         self.model = TinyLlama(self.config, device)
         self.outputs: dict[Hashable, list[int]] = {}
         self.logits: dict[Hashable, list[torch.Tensor]] = {}
         self.tables: dict[Hashable, list[list[int]]] = {}  # every distinct GPU table a request computed with
-        self.record_logits = record_logits
+        self.record_logits = cfg.record_logits
         self.forced: dict[Hashable, list[int]] = {}
         self.stats = EngineStats()
         self.metrics_server: MetricsServer | None = None
         self.tier_stack: TierStack | None = None  # the tiers below the CPU, when there are any
-        lower_options = {"disk_dir": disk_dir, "disk_bytes": disk_bytes, "redis": redis_url}
-        lower_options.update(remote_ttl_s=remote_ttl_s, demote=demote)
-        self._start_extras(tm, hash_fn, tier_links, lower_options if lower else None, metrics_port)
-
-    def _start_extras(
-        self,
-        tm: TierManager,
-        hash_fn: str,
-        links: Mapping[str, TierLink] | None,
-        lower_options: dict[str, Any] | None,
-        metrics_port: int | None,
-    ) -> None:
-        """Attach the tiers below the CPU (when ``lower_options``) and serve metrics; on failure close everything."""
         try:
-            if lower_options is not None:
-                self.tier_stack = self._attach_tiers(tm, hash_fn, links, lower_options)
-            if metrics_port is not None:
-                self.serve_metrics(metrics_port)
+            if lower:
+                self.tier_stack = self._attach_tiers(tm, cfg.hash_fn, lower)
+            if cfg.metrics_port is not None:
+                self.serve_metrics(cfg.metrics_port)
         except BaseException:
             self.close()
             raise
 
-    def _make_manager(
-        self,
-        num_gpu_blocks: int,
-        num_cpu_blocks: int,
-        block_size: int,
-        cost_model: CostModel | None,
-        options: dict[str, Any],
-    ) -> TierManager:
-        """The tier manager over the two tiers and the copy engine (``options``: its CPU prefix-tier keywords).
+    def _make_manager(self, cfg: EngineConfig, cost_model: CostModel | None) -> TierManager:
+        """The tier manager over the two tiers and the copy engine.
 
         Without ``cost_model``, nominal prices: 10 GB/s each way and 20k prefill tokens/s.
         """
         spec = self.tiers["GPU"].spec
         cm = cost_model or CostModel(
             kv_bytes_per_token=spec.bytes_per_token,
-            block_size=block_size,
+            block_size=cfg.block_size,
             d2h_bytes_per_s=10e9,
             h2d_bytes_per_s=10e9,
             prefill_tokens_per_s=20_000.0,
         )
         return TierManager(
-            num_gpu_blocks, num_cpu_blocks, block_size, self.copy, kv_spec=spec, cost_model=cm, **options
+            cfg.num_gpu_blocks,
+            cfg.num_cpu_blocks,
+            cfg.block_size,
+            self.copy,
+            kv_spec=spec,
+            cost_model=cm,
+            offload=MANAGER_OFFLOAD.get(cfg.offload, cfg.offload),
+            hash_fn=cfg.hash_fn,
+            evict_window=cfg.evict_window,
         )
 
-    def _attach_tiers(
-        self, tm: TierManager, hash_fn: str, links: Mapping[str, TierLink] | None, options: dict[str, Any]
-    ) -> TierStack:
-        """Build the tiers below the CPU tier (:class:`TierStack` ``options``) and hand them to the manager."""
-        if tm.store is None:
-            raise InvalidArgumentError("disk_dir= and redis_url= stage through the CPU tier: num_cpu_blocks=0")
+    def _attach_tiers(self, tm: TierManager, hash_fn: str, tiers: list[TierConfig]) -> TierStack:
+        """Build the tiers below the CPU tier and hand them to the manager; on failure close what was built."""
+        assert tm.store is not None, "checked at construction: tiers need a CPU tier"
         cpu = self.tiers["CPU"]
-        stack = TierStack(tm.store, cpu, KVNamespace(self.model_id, cpu.spec, f"{hash_fn}/v1/seed=0"), **options)
+        stack = TierStack(tm.store, cpu, KVNamespace(self.model_id, cpu.spec, f"{hash_fn}/v1/seed=0"), tiers)
         try:
-            tm.attach_tiers(stack.chain, stack.engines, links)
+            tm.attach_tiers(list(stack.entries))
         except BaseException:
             stack.close()
             raise

@@ -5,7 +5,7 @@ names are re-exported here for the manager's users.
 """
 
 from tiered_kv.manager.bounded_log import BoundedLog
-from tiered_kv.manager.cost_model import DEFAULT_TIER_LINKS, CostModel, TierLink
+from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.metrics import LowerTierCounters, MetricsSnapshot, TierCounters
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
 from tiered_kv.manager.pricing import LoadQuote, Quote
@@ -23,11 +23,11 @@ from tiered_kv.manager.victim_policy import (
     select_victims,
 )
 from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.link import TierLink
 from tiered_kv.tiers.store import BlockStore, LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEvent
 from tiered_kv.transfer.plan import PlanKind
 
 __all__ = [
-    "DEFAULT_TIER_LINKS",
     "VICTIM_POLICIES",
     "Admission",
     "BlockStore",

@@ -14,7 +14,7 @@ Parameters come from config and can be refitted from measurements with
 :meth:`CostModel.calibrated` (least squares), then saved with ``to_dict``.
 
 A tier below the CPU (disk, a remote store) adds its own link into the CPU
-tier, a :class:`TierLink`: a block from there costs its link time and then the
+tier, a :class:`~tiered_kv.tiers.link.TierLink`: a block from there costs its link time and then the
 CPU-to-GPU copy.
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields, replace
-from types import MappingProxyType
 
 from tiered_kv.errors import ConfigError
 
@@ -205,49 +204,3 @@ def nnls(xs: list[list[float]], ys: list[float]) -> list[float]:
             break
         active = [j for j in active if j not in negative]
     return coef
-
-
-@dataclass(frozen=True, slots=True)
-class TierLink:
-    """How fast blocks come from one tier below the CPU into the CPU tier (the staging area).
-
-    Loading ``n`` blocks of ``b`` bytes costs ``n * (block_latency_s + b / bytes_per_s)``:
-    a block is one file or one value, so each pays its own fixed cost (a file
-    open and read, a server round trip shared by a pipeline) before its bytes.
-
-    Attributes:
-        bytes_per_s: Sustained read bandwidth of the medium, as the tier's I/O engine sees it.
-        block_latency_s: Fixed cost of each block, amortised over the engine's parallel requests.
-    """
-
-    bytes_per_s: float
-    block_latency_s: float
-
-    def __post_init__(self) -> None:
-        for name in ("bytes_per_s", "block_latency_s"):
-            v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or math.isnan(v) or v < 0 or v == math.inf:
-                raise ConfigError(f"tier link: {name} must be a finite number >= 0, got {v!r}")
-        if self.bytes_per_s == 0:
-            raise ConfigError("tier link: bytes_per_s must be > 0")
-
-    def load_time(self, num_blocks: int, bytes_per_block: int) -> float:
-        """Seconds to bring ``num_blocks`` blocks into the CPU tier."""
-        return num_blocks * (self.block_latency_s + bytes_per_block / self.bytes_per_s) if num_blocks > 0 else 0.0
-
-
-DEFAULT_TIER_LINKS: Mapping[str, TierLink] = MappingProxyType(
-    {
-        # A local NVMe disk.  2 GB/s: DiskIO loads of 2 MiB blocks measured here at 1.2-2.5 GB/s from
-        # the virtio disk (bench_tiers.py, docs/benchmarks.md; PCIe 3.0 x4 NVMe datasheets give about
-        # 3.5 GB/s sequential).  40 us a block: measured here, the fit of bench_tier_links.py (DiskIO,
-        # 4 load threads: open, header check, preadv, CRC, close) gave 39.5-40.6 us.
-        "DISK": TierLink(bytes_per_s=2.0e9, block_latency_s=40e-6),
-        # A Redis server across a 10 GbE network: 1.25 GB/s line rate.  50 us a block: the fit of
-        # bench_tier_links.py gave 41 us a block on localhost (16-block pipelines), to which a network
-        # adds its round trip, shared by a pipeline.  The pure-Python client alone tops out near
-        # 0.2 GB/s (measured here); give the manager a measured TierLink where it is the bottleneck.
-        "REMOTE": TierLink(bytes_per_s=1.25e9, block_latency_s=50e-6),
-    }
-)
-"""Links used for a tier whose medium the caller gives none for."""

@@ -43,7 +43,7 @@ class Hop:
     """
 
     move: Move
-    job: object = None  # a lower_tiers.Job
+    job: object = None  # a tier_moves.Job
     offset: int = 0
     origin: int = 0
     then: int | None = None

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.manager.cost_model import CostModel, TierLink
+from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.states import PreemptMode
 from tiered_kv.storage.spec import KVSpec
+from tiered_kv.tiers.link import TierLink
 from tiered_kv.transfer.coalesce import count_runs
 
 

@@ -14,7 +14,7 @@ the copies in flight and what they hold (:mod:`.transfers`), the prices of
 preemption and of loads (:mod:`.pricing`), swap-out and swap-in
 (:mod:`.swap`), the CPU prefix tier's stores and loads (:mod:`.offload`), the
 per-request bounds behind cost-aware ranking (:mod:`.preempt_bounds`), the
-tiers below the CPU store (:mod:`.lower_tiers`), the stores themselves
+tiers below the CPU store (:mod:`.tier_moves`), the stores themselves
 (:mod:`tiered_kv.tiers`) and the victim policies (:mod:`.victim_policy`).
 
 A block that a copy reads or writes is never handed to a new owner: copies hold
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,9 +39,8 @@ from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError, UnknownRequestError
 from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE, BoundedLog
-from tiered_kv.manager.cost_model import CostModel, TierLink
+from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.invariants import check_ownership
-from tiered_kv.manager.lower_tiers import LowerTiers
 from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
@@ -49,10 +48,11 @@ from tiered_kv.manager.preempt_bounds import PreemptBounds
 from tiered_kv.manager.pricing import Quote, checked_cost_model, price
 from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, Residency
 from tiered_kv.manager.swap import SwappedKV, Swapper
+from tiered_kv.manager.tier_moves import TierMoves
 from tiered_kv.manager.transfers import Transfer, Transfers
 from tiered_kv.storage.spec import KVSpec
-from tiered_kv.tiers.chain import TierChain
 from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.tiers.store import RequestContext
 from tiered_kv.transfer.engine import CopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
@@ -228,7 +228,7 @@ class TierManager:
         )
         self._counters: TierCounters = TierCounters()  # read through the live ``counters`` property
         self.decision_log: BoundedLog[Decision] = BoundedLog(log_size)
-        self._lower: LowerTiers | None = None  # the tiers below the CPU store, once attached
+        self._lower: TierMoves | None = None  # the tiers below the CPU store, once attached
         self._held: dict[Hashable, Held] = {}
         self._tick: int = 0
         self._gpu_evicted_seen: int = 0  # the GPU pool's eviction count at the last poll
@@ -653,26 +653,29 @@ class TierManager:
 
     # ======================================================== lower tiers
     # What the tiers below the CPU store change (admission finds prefixes below the CPU and stages them
-    # up; blocks leaving the CPU go down) is in LowerTiers (lower_tiers.py); here is only the attach.
+    # up; blocks leaving the CPU go down) is in TierMoves (tier_moves.py); here is only the attach.
     @exclusive
-    def attach_tiers(
-        self, chain: TierChain, engines: Mapping[str, CopyEngine], links: Mapping[str, TierLink] | None = None
-    ) -> None:
-        """Put tiers below the CPU store (disk, remote): prefixes load from them, blocks go down to them.
+    def attach_tiers(self, tiers: Sequence[LowerTier]) -> None:
+        """Put tiers below the CPU store: prefixes load from them, blocks go down to them.
 
-        How: :mod:`~tiered_kv.manager.lower_tiers`.
+        ``tiers``: :class:`~tiered_kv.tiers.lower_tier.LowerTier` entries from the
+        CPU down (each its store, I/O engine, link and the write policy of the hop
+        into it).  The manager orders the stores under :attr:`store` into its chain
+        (how: :mod:`~tiered_kv.manager.tier_moves`); the caller keeps owning them
+        (a :class:`~tiered_kv.tiers.stack.TierStack` closes what it built).
 
-        ``chain``: a :class:`tiered_kv.tiers.TierChain` whose first tier is :attr:`store`;
-        ``engines``: medium -> its I/O engine; ``links``: medium -> :class:`~.cost_model.TierLink`
-        (default :data:`~.cost_model.DEFAULT_TIER_LINKS`).  Raises :class:`InvalidArgumentError`
-        (see :func:`~.tier_checks.check_tiers`) or :class:`InvalidTransitionError`; nothing changes then.
+        Raises:
+            InvalidArgumentError: a bad entry list (see :func:`~.tier_checks.chain_of`),
+                or no CPU tier or no prefix caching to stage through.
+            InvalidTransitionError: tiers are attached already.
+            Nothing changes then.
         """
         if self._lower is not None:
             raise InvalidTransitionError("tiers below the CPU are attached already")
         if self.store is None or self._off is None or not self.caching:
             raise InvalidArgumentError("tiers below the CPU need a CPU tier (num_cpu_blocks > 0) and prefix caching")
-        self._lower = LowerTiers(
-            chain, engines, links, self.store, self.transfers, self._off, self.cost_model, self.decision_log.capacity
+        self._lower = TierMoves(
+            tiers, self.store, self.transfers, self._off, self.cost_model, self.decision_log.capacity
         )
 
     @property

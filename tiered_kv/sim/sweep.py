@@ -26,7 +26,9 @@ from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.progress import Progress
 from tiered_kv.sim.report import plot_sweep, write_json
 from tiered_kv.sim.simulator import SimulationError, Simulator
+from tiered_kv.sim.tier_profiles import profile_name
 from tiered_kv.sim.workload import generate, size
+from tiered_kv.tiers.tier_kind import find_tier_kind
 
 Hook = Callable[[int, int, float], None]
 
@@ -143,7 +145,7 @@ def tier_label(run: dict[str, Any]) -> str:
     """
     if run["offload"] == "none":
         return "no CPU prefix tier"
-    below = [name for name, t in run["tiers"].items() if isinstance(t, dict) and any(v is not None for v in t.values())]
+    below = [profile_name(find_tier_kind(t["type"])) for t in run["tiers"]]
     return f"CPU prefix tier ({run['offload']})" + "".join(f" + {name}" for name in below)
 
 

@@ -1,45 +1,52 @@
-"""A run's tiers below the CPU: the ``tiers:`` key of a ``runs`` entry, checked and resolved into a :class:`TierSetup`.
+"""A run's tiers below the CPU: the ``tiers:`` list of a ``runs`` entry, checked and resolved into a :class:`TierSetup`.
 
 ::
 
     runs:
       - name: cpu+disk+remote
-        offload: write_through            # the CPU prefix tier feeds the tiers below it
-        tiers:
-          disk: {capacity_gib: 512}       # or capacity_blocks: N
-          remote: {capacity_gib: 4096}
-          demote: write_through           # how each tier with one below it hands blocks down
-          writeback_reserve: 64           # write_back only: blocks kept clean ahead of eviction
+        offload: write_through              # the CPU prefix tier feeds the tiers below it
+        tiers:                              # from the CPU down
+          - {type: disk, capacity_gib: 512} # or capacity_blocks: N
+          - type: redis
+            capacity_gib: 4096
+            write_policy: write_back        # when the tier above also writes its blocks here
+            writeback_reserve: 64           # write_back only: blocks kept clean ahead of eviction
 
-Either medium may be left out; the chain is CPU -> disk -> remote, or a
-suffix of the media.  Each medium's speed comes from the hardware profile
-(:mod:`~tiered_kv.sim.tier_profiles`); its capacity from the run.
+Each entry names a tier kind by its ``type``
+(:func:`~tiered_kv.tiers.tier_kind.find_tier_kind`), the same kinds the real engine
+builds; the simulator keeps the chain's bookkeeping of the kind's medium and
+runs its copies on its link, from the hardware profile
+(:mod:`~tiered_kv.sim.tier_profiles`) or the kind's default.  Its capacity
+comes from the run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiered_kv.errors import ConfigError
-from tiered_kv.manager.cost_model import TierLink
-from tiered_kv.sim.schema import Field, choice, integer, non_negative, num, positive
-from tiered_kv.sim.tier_profiles import TIER_NAMES, TierMedium, medium_of
+from tiered_kv.errors import ConfigError, InvalidArgumentError
+from tiered_kv.sim.schema import Field, choice, integer, non_negative, num, positive, validate
+from tiered_kv.sim.tier_profiles import TierMedium, medium_for, profile_name
+from tiered_kv.tiers.link import TierLink
+from tiered_kv.tiers.tier_kind import find_tier_kind
+from tiered_kv.tiers.write_policy import RENAMED
 
 GIB = 1 << 30
-CAPACITY_SCHEMA = {
+ENTRY_SCHEMA: dict[str, Any] = {
+    "type": Field((str,)),
     "capacity_gib": num(None, positive, nullable=True),
     "capacity_blocks": Field((int,), None, None, (positive,), nullable=True),
-}
-RUN_TIERS_SCHEMA: dict[str, Any] = {
-    **{name: CAPACITY_SCHEMA for name in TIER_NAMES},
-    # write_through: a block goes down as soon as it is stored (nothing is lost to eviction);
-    # write_back: only the writeback_reserve least recent blocks of a tier are kept held below.
-    "demote": choice("write_through", "write_through", "write_back"),
+    # write_through: a block goes down as soon as it is stored above (nothing is lost to eviction);
+    # write_back: only the writeback_reserve least recent blocks of the tier above are kept held here.
+    "write_policy": choice("write_through", "write_through", "write_back"),
     "writeback_reserve": integer(64, non_negative),
 }
-"""The ``tiers:`` key of a run (see :data:`tiered_kv.sim.config_schema.RUN_SCHEMA`)."""
+"""One entry of a run's ``tiers:`` list."""
+
+RUN_TIERS_SCHEMA = Field((list, dict), [])  # a mapping is the old layout: resolve_tiers says what it is now
+"""The ``tiers:`` key of a run (see :data:`tiered_kv.sim.config_schema.RUN_SCHEMA`): a list of :data:`ENTRY_SCHEMA`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +54,12 @@ class SimTier:
     """One tier below the CPU in a simulated run.
 
     Attributes:
-        name: ``disk`` or ``remote``; ``medium`` its store medium (``DISK``, ``REMOTE``).
+        name: Its medium's name in the hardware profile (``disk``, ``remote``);
+            ``medium`` its store medium (``DISK``, ``REMOTE``).
         num_blocks: Blocks it holds.
         capacity_gib: Its KV capacity.
-        link: Its read and write links (from the hardware profile, or the manager's defaults).
+        link: Its read and write links (from the hardware profile, or the kind's default).
+        write_policy / writeback_reserve: How the tier above writes its blocks here.
     """
 
     name: str
@@ -58,15 +67,15 @@ class SimTier:
     num_blocks: int
     capacity_gib: float
     link: TierMedium
+    write_policy: str = "write_through"
+    writeback_reserve: int = 64
 
 
 @dataclass(frozen=True, slots=True)
 class TierSetup:
-    """The tiers below the CPU of one run, highest first, and how blocks go down between them."""
+    """The tiers below the CPU of one run, highest first."""
 
     tiers: tuple[SimTier, ...]
-    demote: str
-    writeback_reserve: int
 
     @property
     def links(self) -> dict[str, TierLink]:
@@ -84,40 +93,70 @@ class TierSetup:
         )
 
 
-NO_TIERS = TierSetup((), "none", 0)
+NO_TIERS = TierSetup(())
+
+
+def _entries(section: object, key: str) -> Sequence[Any]:
+    if isinstance(section, Mapping):  # the layout before tiers were a list of kinds
+        example = ", ".join(f"{{type: {'redis' if n == 'remote' else n}, ...}}" for n in section if n != "demote")
+        raise ConfigError(
+            f"{key}: tiers are now a list of entries from the CPU down, each with its type, e.g. [{example}]; "
+            "the section's demote: is each entry's write_policy:"
+        )
+    return section  # type: ignore[return-value]
 
 
 def resolve_tiers(
-    section: Mapping[str, Any],
+    section: object,
     media: Mapping[str, TierMedium],
     block_bytes: int,
     num_cpu_blocks: int,
     offload: str,
     key: str,
 ) -> TierSetup:
-    """The run's validated ``tiers:`` section as a :class:`TierSetup`.
+    """The run's ``tiers:`` list as a :class:`TierSetup`.
 
     Raises:
-        ConfigError: a medium gives both or neither capacity, holds fewer than 2
-            blocks, or the run has no CPU prefix tier to feed the tiers (no CPU
-            blocks, or ``offload: none``), or a write-back reserve exceeds a tier
-            below; the message names the key.
+        ConfigError: an entry is not a mapping of :data:`ENTRY_SCHEMA`, names an unknown
+            type or a medium twice, gives both or neither capacity, holds fewer than 2
+            blocks, or a write-back reserve exceeds its tier; or the run has no CPU
+            prefix tier to feed the tiers (no CPU blocks, or ``offload: none``); the
+            message names the key.
     """
-    tiers = []
-    for name in TIER_NAMES:
-        cap = section[name]
-        gib, blocks = cap["capacity_gib"], cap["capacity_blocks"]
-        if gib is None and blocks is None:
-            continue
-        if gib is not None and blocks is not None:
-            raise ConfigError(f"{key}.{name}: give capacity_gib or capacity_blocks, not both")
+    tiers: list[SimTier] = []
+    for i, raw in enumerate(_entries(section, key)):
+        where = f"{key}[{i}]"
+        if isinstance(raw, Mapping) and raw.get("demote") is not None and "write_policy" not in raw:
+            raise ConfigError(f"{where}.demote: is now write_policy: (when the tier above writes its blocks here)")
+        if isinstance(raw, Mapping) and raw.get("write_policy") in RENAMED:
+            old = raw["write_policy"]
+            raise ConfigError(f"{where}.write_policy: {old!r} is now {RENAMED[old]!r}")
+        entry = validate(raw, ENTRY_SCHEMA, where)
+        try:
+            kind = find_tier_kind(entry["type"])
+        except InvalidArgumentError as exc:
+            raise ConfigError(f"{where}.type: {exc}") from None
+        name = profile_name(kind)
+        if any(t.medium == kind.medium for t in tiers):
+            raise ConfigError(f"{where}.type: a run has one tier per medium, and {kind.medium} is there already")
+        gib, blocks = entry["capacity_gib"], entry["capacity_blocks"]
+        if (gib is None) == (blocks is None):
+            raise ConfigError(f"{where}: give capacity_gib or capacity_blocks (one of them)")
         if blocks is None:
             blocks = int(gib * GIB // block_bytes)
             if blocks < 2:
-                raise ConfigError(f"{key}.{name}.capacity_gib: {gib} GiB holds fewer than 2 blocks of {block_bytes} B")
+                raise ConfigError(f"{where}.capacity_gib: {gib} GiB holds fewer than 2 blocks of {block_bytes} B")
         elif blocks < 2:
-            raise ConfigError(f"{key}.{name}.capacity_blocks: must be >= 2, got {blocks}")
-        tiers.append(SimTier(name, medium_of(name), blocks, blocks * block_bytes / GIB, media[name]))
+            raise ConfigError(f"{where}.capacity_blocks: must be >= 2, got {blocks}")
+        reserve = entry["writeback_reserve"]
+        if entry["write_policy"] == "write_back" and reserve > blocks:
+            raise ConfigError(
+                f"{where}.writeback_reserve: {reserve} blocks is more than the {name} tier holds ({blocks} blocks)"
+            )
+        link = medium_for(kind, media)
+        tiers.append(
+            SimTier(name, kind.medium, blocks, blocks * block_bytes / GIB, link, entry["write_policy"], reserve)
+        )
     if not tiers:
         return NO_TIERS
     if num_cpu_blocks == 0:
@@ -127,12 +166,4 @@ def resolve_tiers(
             f"{key}: tiers below the CPU are fed by the CPU prefix tier: the run needs offload: write_through "
             "or on_evict"
         )
-    reserve = section["writeback_reserve"]
-    if section["demote"] == "write_back":
-        small = min(tiers, key=lambda t: t.num_blocks)
-        if reserve > small.num_blocks:
-            raise ConfigError(
-                f"{key}.writeback_reserve: {reserve} blocks is more than the {small.name} tier holds "
-                f"({small.num_blocks} blocks)"
-            )
-    return TierSetup(tuple(tiers), section["demote"], reserve)
+    return TierSetup(tuple(tiers))

@@ -1,8 +1,9 @@
 """Tiers below the CPU on simulated time: real stores and chain, I/O that completes when the tier's link says.
 
-The simulator attaches the manager's own chain of tiers
-(:class:`~tiered_kv.tiers.chain.TierChain`, through
-:meth:`TierManager.attach_tiers <tiered_kv.manager.TierManager.attach_tiers>`),
+The simulator attaches its tiers to the manager as the real engine does
+(:class:`~tiered_kv.tiers.lower_tier.LowerTier` entries, through
+:meth:`TierManager.attach_tiers <tiered_kv.manager.TierManager.attach_tiers>`,
+which orders them into its :class:`~tiered_kv.tiers.chain.TierChain`),
 so what is looked up, staged, demoted, pinned and evicted is exactly what a
 real run does.  Only the bytes are missing, as they are on the simulated CPU
 tier: a :class:`SimTierStore` is the disk and remote stores' bookkeeping
@@ -33,10 +34,10 @@ from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sim.events import EventLoop
 from tiered_kv.sim.tier_config import SimTier, TierSetup
-from tiered_kv.tiers.chain import TierChain, TierPolicy
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
+from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
 
@@ -48,7 +49,7 @@ class SimTierStore(KeyedStore):
     """The bookkeeping of a store below the CPU tier (a disk, a remote server), with no medium behind it.
 
     Args:
-        medium: ``"DISK"`` or ``"REMOTE"``.
+        medium: The tier kind's medium (``"DISK"``, ``"REMOTE"``, ...).
         capacity: Blocks it holds.
     """
 
@@ -172,18 +173,21 @@ def on_event(job: TierIOJob) -> None:
 def attach(tm: TierManager, loop: EventLoop, tiers: TierSetup, bytes_per_block: int) -> dict[str, SimTierIO]:
     """Build the run's tiers below ``tm``'s CPU store and attach them; return each medium's engine (``{}``: none).
 
-    Every tier with one below it hands blocks down by ``tiers.demote``; the last demotes nothing.
+    Each tier is a :class:`~tiered_kv.tiers.lower_tier.LowerTier` of a :class:`SimTierStore`,
+    a :class:`SimTierIO` and its read link, written to as its entry's ``write_policy`` says.
     """
     host = tm.store
     if not tiers.tiers:
         return {}
     if host is None:
         raise PlanError("tiers below the CPU need the manager's CPU store")
-    stores = [SimTierStore(t.medium, t.num_blocks) for t in tiers.tiers]
-    above = TierPolicy(tiers.demote, tiers.writeback_reserve)
-    pairs = [(host, above), *((s, above) for s in stores[:-1]), (stores[-1], TierPolicy("none"))]
-    engines = {t.medium: SimTierIO(loop, s, host, t, bytes_per_block) for t, s in zip(tiers.tiers, stores, strict=True)}
-    tm.attach_tiers(TierChain(pairs), engines, tiers.links)
+    engines: dict[str, SimTierIO] = {}
+    entries = []
+    for t in tiers.tiers:
+        store = SimTierStore(t.medium, t.num_blocks)
+        engines[t.medium] = io = SimTierIO(loop, store, host, t, bytes_per_block)
+        entries.append(LowerTier(store, io, t.link.read, t.write_policy, t.writeback_reserve))
+    tm.attach_tiers(entries)
     return engines
 
 

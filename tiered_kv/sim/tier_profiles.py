@@ -14,8 +14,10 @@ read bandwidth; ``write_gbps`` the write bandwidth (default: the read one);
 trip), amortised over the I/O engine's parallel requests.  Each direction is a
 :class:`~tiered_kv.manager.cost_model.TierLink`, the manager's own model of a
 link below the CPU, so the simulator's copies and the manager's load prices are
-the same arithmetic.  A medium the profile leaves out gets the manager's
-defaults (:data:`~tiered_kv.manager.cost_model.DEFAULT_TIER_LINKS`, measured here).
+the same arithmetic.  A medium the profile leaves out gets the default link of
+the tier kind a run puts there (:attr:`~tiered_kv.tiers.tier_kind.TierConfig.default_link`,
+measured here).  The media a profile may name are those of the known tier kinds
+(:func:`~tiered_kv.tiers.tier_kind.known_tier_types`), lowercased.
 """
 
 from __future__ import annotations
@@ -25,25 +27,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.manager.cost_model import DEFAULT_TIER_LINKS, TierLink
-from tiered_kv.sim.schema import non_negative, num, positive
+from tiered_kv.sim.schema import Field, non_negative, num, positive, validate
+from tiered_kv.tiers.link import TierLink
+from tiered_kv.tiers.tier_kind import TierConfig, find_tier_kind, known_tier_types
 
 GB = 1e9
-TIER_NAMES = ("disk", "remote")
-"""The media a run may put below the CPU tier, highest first (the chain's order)."""
 
 MEDIUM_SCHEMA = {
     "bandwidth_gbps": num(None, positive, nullable=True),
     "write_gbps": num(None, positive, nullable=True),
     "block_latency_us": num(None, non_negative, nullable=True),
 }
-TIERS_SCHEMA = {name: MEDIUM_SCHEMA for name in TIER_NAMES}
-"""The ``tiers:`` section of a hardware profile (see :data:`tiered_kv.sim.profiles.HARDWARE_SCHEMA`)."""
+TIERS_SCHEMA = Field((dict,), None, nullable=True)
+"""The ``tiers:`` section of a hardware profile (see :data:`tiered_kv.sim.profiles.HARDWARE_SCHEMA`):
+medium name -> :data:`MEDIUM_SCHEMA`, checked by :func:`tier_media`."""
 
 
-def medium_of(name: str) -> str:
-    """The store medium of a tier name (``disk`` -> ``DISK``), as the manager's links are keyed."""
-    return name.upper()
+def profile_name(kind: type[TierConfig]) -> str:
+    """The name of a tier kind's medium in a hardware profile (``DISK`` -> ``disk``)."""
+    return kind.medium.lower()
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +76,27 @@ def _medium(name: str, d: Mapping[str, Any], key: str) -> TierMedium | None:
     return TierMedium(read, write)
 
 
-def tier_media(section: Mapping[str, Any], key: str = "hardware.tiers") -> Mapping[str, TierMedium]:
-    """Tier name -> :class:`TierMedium` from a validated ``tiers:`` section (left-out media get the defaults).
+def tier_media(section: Mapping[str, Any] | None, key: str = "hardware.tiers") -> Mapping[str, TierMedium]:
+    """Medium name -> :class:`TierMedium` from a ``tiers:`` section (only the media it describes).
 
     Raises:
-        ConfigError: a described medium lacks its bandwidth or its latency (the message names the key).
+        ConfigError: a name is no known kind's medium, a key is unknown, or a described
+            medium lacks its bandwidth or its latency (the message names the key).
     """
+    names = {profile_name(find_tier_kind(t)) for t in known_tier_types()}
     out: dict[str, TierMedium] = {}
-    for name in TIER_NAMES:
-        medium = _medium(name, section.get(name) or {}, key)
-        if medium is None:
-            link = DEFAULT_TIER_LINKS[medium_of(name)]
-            medium = TierMedium(link, link, "default")
-        out[name] = medium
+    for name, d in (section or {}).items():
+        if name not in names:
+            raise ConfigError(f"{key}.{name}: unknown key (known keys here: {', '.join(sorted(names))})")
+        medium = _medium(name, validate(d, MEDIUM_SCHEMA, f"{key}.{name}"), key)
+        if medium is not None:
+            out[name] = medium
     return out  # a plain dict: a profile travels to worker processes, and a mapping proxy does not pickle
+
+
+def medium_for(kind: type[TierConfig], media: Mapping[str, TierMedium]) -> TierMedium:
+    """The profile's :class:`TierMedium` for a kind's medium, or the kind's default link both ways."""
+    medium = media.get(profile_name(kind))
+    if medium is None:
+        medium = TierMedium(kind.default_link, kind.default_link, "default")
+    return medium

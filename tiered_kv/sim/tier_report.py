@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiered_kv.sim.tier_profiles import TIER_NAMES
-
 
 def has_tiers(runs: list[dict[str, Any]]) -> bool:
     """Whether some run had a tier below the CPU."""
@@ -29,7 +27,9 @@ def _ratio(num: float, den: float) -> str:
 def tier_table(runs: list[dict[str, Any]]) -> str:
     """One row per run: gains over its ``vs`` run, where its prefixes were found, what each lower tier moved."""
     by_name = {r["run"]: r for r in runs}
-    cols = "".join(f" {name + ' hit/load/stored':>28} {name + ' rd s':>10}" for name in TIER_NAMES)
+    # A column per tier any run has, highest first as the runs list them.
+    names = list(dict.fromkeys(name for r in runs for name in r.get("lower_tiers") or {}))
+    cols = "".join(f" {name + ' hit/load/stored':>28} {name + ' rd s':>10}" for name in names)
     head = f"{'run':20} {'vs':>20} {'tput':>6} {'TTFT':>6} {'loaded past GPU':>15}{cols} {'lost':>7}"
     lines = ["tiers below the CPU (blocks)", head, "-" * len(head)]
     for r in runs:
@@ -42,7 +42,7 @@ def tier_table(runs: list[dict[str, Any]]) -> str:
             ttft = _ratio(ref["ttft_s"]["p50"], r["ttft_s"]["p50"])
         row = f"{r['run'][:20]:20} {vs:>20} {tput:>6} {ttft:>6} {r['cpu_prefix_hit_rate']:15.2f}"
         tiers = r.get("lower_tiers") or {}
-        for name in TIER_NAMES:
+        for name in names:
             t = tiers.get(name)
             if t is None:
                 row += f" {'-':>28} {'-':>10}"

@@ -1,4 +1,4 @@
-"""Layer 2, beside the manager: the stores.  The CPU store and its policies, a disk store, a remote store, the chain.
+"""Layer 2, beside the manager: the stores.  The CPU store and its policies, the tiers below it, their kinds, the chain.
 
 The CPU store (:class:`~tiered_kv.tiers.cpu_store.CPUStore`) follows vLLM 0.33.0's
 request-scoped ``OffloadingManager`` protocol, with its cache policies in
@@ -6,8 +6,12 @@ request-scoped ``OffloadingManager`` protocol, with its cache policies in
 :class:`~tiered_kv.tiers.store.BlockStore` (the CPU tier's verbs and semantics,
 without request scope); each I/O engine moves a block's bytes between the CPU tier's
 tensor (the staging area) and the store's medium on a thread pool, completing
-through a :class:`~tiered_kv.transfer.plan.TransferHandle`.  :class:`TierChain`
-orders the stores and answers "which tier holds each block of this prefix".
+through a :class:`~tiered_kv.transfer.plan.TransferHandle`.  A tier below the
+CPU, as the manager drives it, is a :class:`LowerTier` (its store, I/O engine,
+link and write policy); each kind of tier (:mod:`tiered_kv.tiers.kinds`: disk,
+Redis) is a :class:`TierConfig` that builds its own, and a :class:`TierStack`
+builds a list of them and closes what it built.  :class:`TierChain` orders the
+stores under the CPU store and answers "which tier holds each block of this prefix".
 
 Names are imported on first use, so ``tiered_kv.tiers.chain`` and the stores
 load without torch (only the I/O engines need it), and the Redis store needs
@@ -33,6 +37,15 @@ _WHERE = {
     "TierChain": "chain",
     "TierPolicy": "chain",
     "DiskIO": "disk_io",
+    "DiskTier": "kinds.disk",
+    "LowerTier": "lower_tier",
+    "RedisTier": "kinds.redis",
+    "TierConfig": "tier_kind",
+    "TierLink": "link",
+    "WRITE_POLICIES": "write_policy",
+    "known_tier_types": "tier_kind",
+    "register_tier_kind": "tier_kind",
+    "find_tier_kind": "tier_kind",
     "DiskStore": "disk_store",
     "DiskStoreStats": "disk_store",
     "BlockIOEngine": "io_engine",

@@ -1,4 +1,4 @@
-"""The chain of tiers below the GPU: CPU -> disk -> remote, or any suffix of it.
+"""The chain of tiers below the GPU: the CPU tier, then the tiers below it in order (disk, remote, ...).
 
 The chain orders the stores (tier 0 is the highest: the CPU tier, the staging
 area of every load) and keeps the two-sided bookkeeping of moving blocks
@@ -43,9 +43,11 @@ from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
 from tiered_kv.tiers.namespace import encodable
 from tiered_kv.tiers.store import BlockStore, Key, LoadStoreSpec, check_keys
+from tiered_kv.tiers.write_policy import WRITE_POLICIES, check_write_policy
 from tiered_kv.transfer.plan import GPU, PlanKind, TransferHandle, TransferPlan
 
-DEMOTE_MODES = ("write_back", "write_through", "none")
+DEMOTE_MODES = WRITE_POLICIES
+"""How a tier hands blocks to the tier below: the vocabulary of :mod:`~tiered_kv.tiers.write_policy`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +70,7 @@ class TierPolicy:
     direct_load: bool = False
 
     def __post_init__(self) -> None:
-        checks.choice("TierPolicy.demote", self.demote, DEMOTE_MODES)
+        check_write_policy("TierPolicy.demote", self.demote)
         checks.count("TierPolicy.writeback_reserve", self.writeback_reserve)
         checks.flag("TierPolicy.direct_load", self.direct_load)
 

@@ -1,19 +1,21 @@
-"""The tiers below the CPU under the tier manager: prefix loads through the chain, demotions, counters.
+"""The manager's bookkeeping of moves through the tiers below the CPU: prefix loads, demotions, counters.
 
-With a chain attached (:meth:`TierManager.attach_tiers`), admitting a request
-goes like this:
+With tiers attached (:meth:`TierManager.attach_tiers`, a list of
+:class:`~tiered_kv.tiers.lower_tier.LowerTier`), the manager orders their
+stores under its CPU store into a :class:`~tiered_kv.tiers.chain.TierChain`
+and admitting a request goes like this:
 
-1. :meth:`LowerTiers.find` asks the chain, for the blocks of the prefix not
+1. :meth:`TierMoves.find` asks the chain, for the blocks of the prefix not
    cached on the GPU, which is the highest tier holding each (the cheapest to
    load from), and :func:`~tiered_kv.manager.pricing.price_load` decides how
    many leading blocks are worth loading rather than recomputing.
-2. :meth:`LowerTiers.reserve` pins the blocks already on the CPU tier (so that
+2. :meth:`TierMoves.reserve` pins the blocks already on the CPU tier (so that
    staging cannot evict them) and reserves one move of the chain per run of
    blocks in one tier below it: their source is pinned there and their CPU
    slots pending.  A run the CPU tier has no room for ends the prefix.
-3. :meth:`LowerTiers.start` submits the moves to their tiers' I/O engines.
+3. :meth:`TierMoves.start` submits the moves to their tiers' I/O engines.
    The request is LOADING.
-4. As each move settles (:meth:`LowerTiers.settle`), what landed is pinned on
+4. As each move settles (:meth:`TierMoves.settle`), what landed is pinned on
    the CPU tier; a block that did not land (missing, corrupt, an I/O error)
    ends the prefix there.  When the last one settles, the prefix up to the
    first block that did not land is copied to the GPU by the usual ONBOARD
@@ -43,7 +45,7 @@ from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import LoadDecision
 from tiered_kv.manager.pricing import LoadQuote, price_load
 from tiered_kv.manager.swap import PrivateKey
-from tiered_kv.manager.tier_checks import check_tiers
+from tiered_kv.manager.tier_checks import chain_of
 from tiered_kv.manager.transfers import Transfer, Transfers
 from tiered_kv.tiers.chain import Move
 from tiered_kv.tiers.cpu_store import CPUStore
@@ -99,11 +101,11 @@ class Job:
     pinned: list[Key] = field(default_factory=list)
 
 
-class LowerTiers:
-    """A chain of stores below the CPU tier, wired to the manager's CPU store, copies and counters.
+class TierMoves:
+    """The chain of stores below the CPU tier, wired to the manager's CPU store, copies and counters.
 
     Args:
-        chain, engines, links: As :meth:`TierManager.attach_tiers` (checked here, before anything changes).
+        tiers: As :meth:`TierManager.attach_tiers` (checked here, before anything changes).
         store: The manager's CPU store (the chain's tier 0).
         transfers: The manager's copies in flight (moves of the chain go there too).
         offloader: Starts the CPU -> GPU copy of a staged prefix.
@@ -112,16 +114,14 @@ class LowerTiers:
 
     def __init__(
         self,
-        chain: object,
-        engines: object,
-        links: object,
+        tiers: object,
         store: CPUStore,
         transfers: Transfers,
         offloader: Offloader,
         cost_model: CostModel,
         log_size: int | None = DEFAULT_LOG_SIZE,
     ) -> None:
-        self.chain, self.engines, self.links = check_tiers(chain, store, engines, links)
+        self.chain, self.engines, self.links = chain_of(tiers, store)
         self.store = store
         self.transfers = transfers
         self.offloader = offloader
