@@ -90,7 +90,7 @@ class ChunkBuffer:
             raise StorageError(f"a chunk buffer must be C-contiguous, got shape {mv.shape} strides {mv.strides}")
         rows = mv.shape[0] if mv.ndim >= 2 else -1
         # cast("B") flattens a contiguous N-dimensional view to bytes, so row i is a plain byte range.
-        return rows, mv.nbytes, mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        return rows, mv.nbytes, mv.cast("B")
 
     @staticmethod
     def _tensor_view(tensor: Any) -> tuple[int, int, memoryview]:
@@ -104,6 +104,14 @@ class ChunkBuffer:
             return rows, 0, memoryview(b"")
         raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
         return rows, nbytes, memoryview(raw).cast("B")
+
+    def release(self) -> None:
+        """Release this object's views of the buffer.
+
+        An owner that unmaps its memory (vLLM's shared region at shutdown) can do so
+        only once no view of it is exported; after this, :meth:`segments` must not be called.
+        """
+        self._mv.release()
 
     @staticmethod
     def slot(row: int) -> int:
