@@ -11,8 +11,8 @@ operation, for each victim policy.
 
 Usage: python benchmarks/bench_manager.py [--steps N] [--running 256] [--repeats 3] [--json PATH]
 
-The third column is each policy's manager time over the first policy's (``lru``
-by default), measured in the same run.
+The third column is each policy's manager time over the first policy's
+(``last_admitted`` by default), measured in the same run.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def run(
         gpu_blocks, cpu_blocks, BLOCK_SIZE, InstantCopyEngine(), cost_model=cm, offload=offload, hash_fn=hash_fn
     )
     sched = Scheduler(
-        tm, SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=running_target, policy=policy, mode="auto")
+        tm,
+        SchedulerConfig(max_num_batched_tokens=16384, max_num_seqs=running_target, victim_policy=policy, mode="auto"),
     )
     trace = deque(make_trace(max(steps * 8, 2000), seed=1))
     outputs: dict[object, list[int]] = {}
@@ -128,7 +129,7 @@ def run(
     m = sched.metrics()
     c = m.counters
     return {
-        "policy": policy,
+        "victim_policy": policy,
         "steps": measured,
         "us_per_step": step_s / measured * 1e6,
         "manager_us_per_step": sum(t.values()) / measured * 1e6,
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-blocks", type=int, default=12000)
     ap.add_argument("--hash", default="sha256", choices=["sha256", "fast", "xxh3_128"])
     ap.add_argument("--offload", default="write_through", choices=["none", "write_through", "on_evict"])
-    ap.add_argument("--policies", default="lru,largest,prefill_aware,cost_aware")
+    ap.add_argument("--policies", default="last_admitted,largest,prefill_aware,cost_aware", help="victim policies")
     ap.add_argument("--repeats", type=int, default=3, help="runs per policy; the fastest is reported")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -170,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     # The anchor: the first policy, measured in this same run (the machine's speed drifts between runs).
     anchor = rows[0]["manager_us_per_step"]
     print(
-        f"\n{'policy':14} {'step us':>8} {'manager us':>10} {'x ' + rows[0]['policy'][:6]:>8} {'swap':>6} "
+        f"\n{'policy':14} {'step us':>8} {'manager us':>10} {'x ' + rows[0]['victim_policy'][:6]:>8} {'swap':>6} "
         f"{'recomp':>6}  " + " ".join(f"{o[:10]:>10}" for o in ops)
     )
     for r in rows:
         b = r["breakdown_us_per_step"]
         print(
-            f"{r['policy']:14} {r['us_per_step']:8.1f} {r['manager_us_per_step']:10.1f} "
+            f"{r['victim_policy']:14} {r['us_per_step']:8.1f} {r['manager_us_per_step']:10.1f} "
             f"{r['manager_us_per_step'] / anchor:8.2f} {r['preemptions_swap']:6d} {r['preemptions_recompute']:6d}  "
             + " ".join(f"{b.get(o, 0.0):10.1f}" for o in ops)
         )

@@ -20,7 +20,7 @@ import pytest
 
 STEPS = 200
 RUNNING = 256
-POLICIES = ["lru", "largest", "prefill_aware", "cost_aware"]
+POLICIES = ["last_admitted", "largest", "prefill_aware", "cost_aware"]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -31,7 +31,7 @@ def test_scheduler_step(benchmark, policy):
         return bm.run(policy, STEPS, RUNNING, 3500, 12000, "sha256", "write_through")
 
     result = benchmark.pedantic(one_run, rounds=3, warmup_rounds=0)
-    assert result["policy"] == policy
+    assert result["victim_policy"] == policy
     assert result["steps"] == STEPS - STEPS // 5
     assert result["running_at_end"] > 0
     assert result["preemptions_swap"] + result["preemptions_recompute"] > 0

@@ -58,7 +58,9 @@ TINY: dict[str, Any] = {
         "prompt_len": {"dist": "fixed", "value": 4},
         "output_len": {"dist": "fixed", "value": 2},
     },
-    "runs": [{"name": "only", "policy": "lru", "mode": "recompute", "offload": "none", "cpu_kv_gib": 0}],
+    "runs": [
+        {"name": "only", "victim_policy": "last_admitted", "mode": "recompute", "offload": "none", "cpu_kv_gib": 0}
+    ],
 }
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from tiered_kv.core import Request
 from tiered_kv.manager import CostModel, Residency, TierManager
-from tiered_kv.manager.policies import CostAwarePolicy
+from tiered_kv.manager.victim_policy import CostAwarePolicy
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.transfer import ControlledCopyEngine
 
@@ -40,7 +40,7 @@ def make(seed: int, mode: str, setup: str) -> tuple[random.Random, ControlledCop
         kv_bytes_per_token=4096, block_size=bs, d2h_bytes_per_s=2e9, h2d_bytes_per_s=2e9, prefill_tokens_per_s=3e5
     )
     tm = TierManager(gpu, cpu, bs, eng, cost_model=cm, offload=offload, enable_caching=caching)
-    s = Scheduler(tm, SchedulerConfig(max_num_batched_tokens=64, policy="cost_aware", mode=mode))
+    s = Scheduler(tm, SchedulerConfig(max_num_batched_tokens=64, victim_policy="cost_aware", mode=mode))
     shared = [rng.randrange(500) for _ in range(12)]
     for i in range(24):
         prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(500) for _ in range(rng.randrange(3, 30))]
@@ -66,7 +66,7 @@ def steps(rng: random.Random, eng: ControlledCopyEngine, s: Scheduler):
 def run(seed: int, exact: bool, mode: str, setup: str = "write_through") -> tuple[list, list]:
     rng, eng, tm, s = make(seed, mode, setup)
     if exact:
-        s.policy = CostAwarePolicy(None)  # no bound: every candidate priced, a full sort
+        s.victim_policy = CostAwarePolicy(None)  # no bound: every candidate priced, a full sort
     preempted = [list(out.preempted) for out in steps(rng, eng, s)]
     return preempted, [(d.tick, d.request_id, d.mode, d.reason, d.quote) for d in tm.decision_log]
 

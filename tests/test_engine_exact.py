@@ -134,7 +134,7 @@ def test_prefix_onboarded_from_the_cpu_tier(layout, layerwise):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_auto_mode_mixes_and_stays_exact(layout):
     ps = prompts(5, n=8)
-    e = run(ps, num_gpu_blocks=18, layout=layout, mode="auto", policy="cost_aware", offload="on_evict")
+    e = run(ps, num_gpu_blocks=18, layout=layout, mode="auto", victim_policy="cost_aware", offload="on_evict")
     c = e.metrics().counters
     assert c.preemptions_swap + c.preemptions_recompute > 0
     check(e, ps, layout, exact_logits=False)

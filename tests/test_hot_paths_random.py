@@ -34,7 +34,7 @@ from tierutil import NS, host
 from tiered_kv.core import Request
 from tiered_kv.errors import PlanError
 from tiered_kv.manager import CostModel, Residency, TierManager
-from tiered_kv.manager.policies import CostAwarePolicy
+from tiered_kv.manager.victim_policy import CostAwarePolicy
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tiers.chain import TierChain, TierPolicy
@@ -65,8 +65,8 @@ def draw_setup(seed: int) -> dict:
         "mode": r.choice(["swap", "recompute", "auto"]) if cpu else "recompute",
         "layerwise": cpu > 0 and r.random() < 0.5,
         "budget": r.choice([1, 2, 3, 5, 8, 64]),
-        "policy": r.choice(["lru", "cost_aware", "largest", "prefill_aware"]),
-        "scheduling": r.choice(["fcfs", "priority"]),
+        "victim_policy": r.choice(["last_admitted", "cost_aware", "largest", "prefill_aware"]),
+        "policy": r.choice(["fcfs", "priority"]),
         "seats": r.choice([2, 4, 256]),
         "evict_window": r.choice([1, 2, 64]),
         "store_policy": r.choice(["lru", "arc"]),
@@ -103,12 +103,18 @@ def on_gpu_bounds_hold(tm: TierManager) -> int:
 
 
 def drive(
-    seed: int, tmp: Path, *, skip: bool = True, policy: str | None = None, exact: bool = False, bounds: bool = False
+    seed: int,
+    tmp: Path,
+    *,
+    skip: bool = True,
+    victim_policy: str | None = None,
+    exact: bool = False,
+    bounds: bool = False,
 ) -> tuple[list, int]:
     """One random run, step by step; returns its whole log and how many bounds were checked."""
     p = draw_setup(seed)
-    if policy is not None:
-        p["policy"] = policy
+    if victim_policy is not None:
+        p["victim_policy"] = victim_policy
     rng = random.Random(seed)
     bs = p["bs"]
     eng = ControlledCopyEngine({"GPU": p["gpu"], "CPU": max(p["cpu"], 2)})
@@ -144,13 +150,13 @@ def drive(
         max_num_seqs=p["seats"],
         mode=p["mode"],
         layerwise=p["layerwise"],
+        victim_policy=p["victim_policy"],
         policy=p["policy"],
-        scheduling=p["scheduling"],
         skip_quiet_allocations=skip,
     )
     s = Scheduler(tm, config)
     if exact:
-        s.policy = CostAwarePolicy(None)  # prices every candidate: a full sort
+        s.victim_policy = CostAwarePolicy(None)  # prices every candidate: a full sort
     prefix = [rng.randrange(3) for _ in range(3 * bs)]  # a small vocabulary: prefixes are shared often
     log: list = []
     n = checked = 0
@@ -281,8 +287,8 @@ def test_the_random_set_ups_cover_what_they_claim():
 def test_pruned_cost_aware_decides_as_full_pricing_and_bounds_hold_under_faults(chunk, tmp_path):
     preempted = checked = 0
     for seed in range(chunk * SEEDS_PER_CHUNK, (chunk + 1) * SEEDS_PER_CHUNK):
-        pruned, n = drive(seed, tmp_path / f"pruned{seed}", policy="cost_aware", bounds=True)
-        full, _ = drive(seed, tmp_path / f"full{seed}", policy="cost_aware", exact=True)
+        pruned, n = drive(seed, tmp_path / f"pruned{seed}", victim_policy="cost_aware", bounds=True)
+        full, _ = drive(seed, tmp_path / f"full{seed}", victim_policy="cost_aware", exact=True)
         assert pruned == full, (seed, draw_setup(seed))
         assert pruned[-2][0] == 0, seed
         preempted += preemptions(pruned)

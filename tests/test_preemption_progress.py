@@ -32,7 +32,7 @@ def _long_prompts(policy: str, offload: str, n: int) -> dict:
         memory__cpu_kv_gib=256 * KIB_IN_GIB,
         scheduler__max_num_batched_tokens=64,
         scheduler__max_num_seqs=8,
-        runs=[{"name": "run", "policy": policy, "mode": "auto", "offload": offload}],
+        runs=[{"name": "run", "victim_policy": policy, "mode": "auto", "offload": offload}],
     )
 
 
@@ -56,7 +56,7 @@ def progress_between_preemptions(trace: list) -> tuple[dict, dict, list]:
     return dict(preemptions), dict(steps), unearned
 
 
-@pytest.mark.parametrize(("policy", "offload"), [("cost_aware", "write_through"), ("lru", "write_through")])
+@pytest.mark.parametrize(("policy", "offload"), [("cost_aware", "write_through"), ("last_admitted", "write_through")])
 def test_long_prompts_without_sharing_never_preempt_a_request_before_it_computes_again(policy, offload):
     res, sim = run(_long_prompts(policy, offload, 200), trace=True)
     assert res["requests_finished"] == 200
@@ -71,7 +71,9 @@ def test_a_free_swap_victim_resumed_from_the_gpu_cache_is_not_swapped_again_befo
     # nothing and its blocks stay cached on the GPU: it resumes at once, with no copy, after the batch.
     eng = ControlledCopyEngine({"GPU": 7, "CPU": 16})
     tm = TierManager(7, 16, 4, eng, cost_model=CostModel(kv_bytes_per_token=64, block_size=4), offload="write_through")
-    s = Scheduler(tm, SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, policy="cost_aware", mode="swap"))
+    s = Scheduler(
+        tm, SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, victim_policy="cost_aware", mode="swap")
+    )
     s.add_request(Request("A", list(range(8)), max_tokens=9, arrival_time=0.0))
     s.add_request(Request("B", list(range(100, 116)), max_tokens=4, arrival_time=1.0))
     history = []

@@ -156,9 +156,15 @@ def _trace(cfg: dict, index: int, fast: bool) -> tuple[str, dict]:
 @pytest.mark.parametrize("copies", ["async", "blocking", "layerwise"])
 def test_simulator_event_trace_is_identical_on_the_fast_and_the_plain_path(copies):
     runs = [
-        {"name": "recompute", "policy": "lru", "mode": "recompute", "offload": "none", "cpu_kv_gib": 0},
-        {"name": "swap", "policy": "lru", "mode": "swap", "offload": "none", "copies": copies},
-        {"name": "auto", "policy": "cost_aware", "mode": "auto", "offload": "write_through", "copies": copies},
+        {
+            "name": "recompute",
+            "victim_policy": "last_admitted",
+            "mode": "recompute",
+            "offload": "none",
+            "cpu_kv_gib": 0,
+        },
+        {"name": "swap", "victim_policy": "last_admitted", "mode": "swap", "offload": "none", "copies": copies},
+        {"name": "auto", "victim_policy": "cost_aware", "mode": "auto", "offload": "write_through", "copies": copies},
     ]
     cfg = config(
         workload__num_requests=24,

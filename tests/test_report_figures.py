@@ -85,8 +85,8 @@ def test_the_sweep_compares_cost_aware_only_with_fixed_modes_of_the_same_tier(tm
         {"name": "recompute", "mode": "recompute", "cpu_kv_gib": 0},
         {"name": "swap", "mode": "swap"},
         {"name": "recompute+tier", "mode": "recompute", "offload": "write_through"},
-        {"name": "smart", "policy": "cost_aware", "mode": "auto"},
-        {"name": "smart+tier", "policy": "cost_aware", "mode": "auto", "offload": "write_through"},
+        {"name": "smart", "victim_policy": "cost_aware", "mode": "auto"},
+        {"name": "smart+tier", "victim_policy": "cost_aware", "mode": "auto", "offload": "write_through"},
     ]
     raw["sweep"] = {"gpu_kv_gib": [8 * KIB_IN_GIB], "rate": [2.0]}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))
@@ -127,7 +127,7 @@ def test_a_cost_aware_run_with_nothing_like_it_gets_no_verdict(tmp_path):
     raw["memory"]["cpu_kv_gib"] = 16 * KIB_IN_GIB
     raw["runs"] = [
         {"name": "recompute", "mode": "recompute", "cpu_kv_gib": 0},
-        {"name": "smart+tier", "policy": "cost_aware", "mode": "auto", "offload": "write_through"},
+        {"name": "smart+tier", "victim_policy": "cost_aware", "mode": "auto", "offload": "write_through"},
     ]
     raw["sweep"] = {"rate": [0.5]}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(raw))

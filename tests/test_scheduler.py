@@ -60,7 +60,7 @@ def test_fcfs_preempts_the_last_of_the_running_queue_as_vllm_does():
 
 
 def test_priority_scheduling_preempts_the_largest_priority_then_the_latest_arrival():
-    s, _ = make(mode="recompute", scheduling="priority")
+    s, _ = make(mode="recompute", policy="priority")
     four(s, priorities=(0, 0, 0, -1))  # D is the most important: it is never the one to go
     victims = [p for _, pre, _ in drive(s) for p in pre]
     assert victims == [("C", R), ("B", R)]
@@ -162,14 +162,38 @@ def test_scheduler_misuse_raises_a_clear_error(action, exc):
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"max_num_seqs": 2.0}, "max_num_seqs"),
         ({"chunked_prefill": 1}, "chunked_prefill"),
-        ({"policy": "random"}, "policy"),
+        ({"victim_policy": "random"}, "victim_policy"),
         ({"mode": ""}, "mode"),
-        ({"scheduling": "sjf"}, "scheduling"),
+        ({"policy": "sjf"}, "policy"),
     ],
 )
 def test_bad_scheduler_config(kwargs, message):
     with pytest.raises(InvalidArgumentError, match=message):
         SchedulerConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"policy": "lru"},
+            r"policy: 'lru' is not a scheduling order \(policy is fcfs or priority, as in vLLM\); "
+            r"the victim policy is now victim_policy='last_admitted'",
+        ),
+        ({"policy": "cost_aware"}, r"'cost_aware' is not a scheduling order .* now victim_policy='cost_aware'"),
+        ({"victim_policy": "lru"}, r"victim_policy: unknown victim policy 'lru'; it is now called 'last_admitted'"),
+    ],
+)
+def test_old_policy_names_are_refused_with_the_new_name(kwargs, message):
+    """``policy`` meant the victim policy once; its old values are refused, never read as a scheduling order."""
+    with pytest.raises(InvalidArgumentError, match=message):
+        SchedulerConfig(**kwargs)
+
+
+def test_the_policy_is_the_scheduling_order_and_the_victim_policy_is_its_own_field():
+    c = SchedulerConfig(policy="priority", victim_policy="largest")
+    assert (c.policy, c.victim_policy) == ("priority", "largest")
+    assert (SchedulerConfig().policy, SchedulerConfig().victim_policy) == ("fcfs", "last_admitted")
 
 
 def test_abort_in_every_status_releases_everything():

@@ -40,7 +40,7 @@ def test_swap_scenario_whole_event_trace():
         workload__arrival={"process": "bursty", "rate": 1.0, "burst_size": 2},
         workload__prompt_len={"dist": "fixed", "value": 12},
         workload__output_len={"dist": "fixed", "value": 6},
-        runs=[{"name": "swap", "policy": "lru", "mode": "swap", "offload": "none"}],
+        runs=[{"name": "swap", "victim_policy": "last_admitted", "mode": "swap", "offload": "none"}],
     )
     res, sim = run(cfg, trace=True)
     assert sim.loop.trace == [
@@ -95,10 +95,16 @@ def busy_config(**changes):
             "step_model": TINY["hardware"]["step_model"],
         },
         runs=[
-            {"name": "recompute", "policy": "lru", "mode": "recompute", "offload": "none", "cpu_kv_gib": 0},
-            {"name": "swap", "policy": "largest", "mode": "swap", "offload": "none"},
-            {"name": "auto-wt", "policy": "cost_aware", "mode": "auto", "offload": "write_through"},
-            {"name": "auto-evict", "policy": "prefill_aware", "mode": "auto", "offload": "on_evict"},
+            {
+                "name": "recompute",
+                "victim_policy": "last_admitted",
+                "mode": "recompute",
+                "offload": "none",
+                "cpu_kv_gib": 0,
+            },
+            {"name": "swap", "victim_policy": "largest", "mode": "swap", "offload": "none"},
+            {"name": "auto-wt", "victim_policy": "cost_aware", "mode": "auto", "offload": "write_through"},
+            {"name": "auto-evict", "victim_policy": "prefill_aware", "mode": "auto", "offload": "on_evict"},
         ],
     )
     base.update(changes)
@@ -139,7 +145,7 @@ def test_infinite_bandwidth_makes_swap_free():
 def test_zero_bandwidth_makes_cost_aware_never_swap():
     cfg = busy_config(
         link={"gbps_per_direction": 0.0},
-        runs=[{"name": "auto", "policy": "cost_aware", "mode": "auto", "offload": "none"}],
+        runs=[{"name": "auto", "victim_policy": "cost_aware", "mode": "auto", "offload": "none"}],
     )
     res, _ = run(cfg)
     assert res["preemptions_swap"] == 0 and res["preemptions_recompute"] > 0
@@ -156,8 +162,26 @@ BAD = [
     ({"scheduler__max_num_seqs": 0}, r"scheduler\.max_num_seqs: must be > 0"),
     ({"compute__mfu": 1.5}, r"compute\.mfu: must be in \(0, 1\]"),
     ({"runs": [{"name": "x", "mode": "swap", "cpu_kv_gib": 0}]}, r"runs\[0\]\.mode: mode: swap needs a CPU tier"),
-    ({"runs": [{"name": "x", "policy": "random"}]}, r"runs\[0\]\.policy: must be one of"),
+    ({"runs": [{"name": "x", "victim_policy": "random"}]}, r"runs\[0\]\.victim_policy: must be one of"),
     ({"runs": [{"name": "x"}, {"name": "x"}]}, r"runs: run names must be unique"),
+    # Renamed keys and values are refused with the new name, never read under the old meaning.
+    (
+        {"runs": [{"name": "x", "policy": "lru"}]},
+        r"runs\[0\]\.policy: 'lru' is not a scheduling order .*the victim policy is now victim_policy: last_admitted",
+    ),
+    (
+        {"runs": [{"name": "x", "policy": "largest"}]},
+        r"runs\[0\]\.policy: 'largest' is not a scheduling order .*victim_policy: largest",
+    ),
+    (
+        {"runs": [{"name": "x", "victim_policy": "lru"}]},
+        r"runs\[0\]\.victim_policy: 'lru' was renamed: .*'last_admitted'",
+    ),
+    ({"scheduler__scheduling": "fcfs"}, r"scheduler\.scheduling: the scheduling order is now called policy"),
+    (
+        {"runs": [{"name": "x", "scheduling": "fcfs"}]},
+        r"runs\[0\]\.scheduling: the scheduling order is now called policy",
+    ),
     ({"memory__cpu_kv_gib": 2048}, r"memory\.cpu_kv_gib: 2048 GiB exceeds memory\.host_memory_gib"),
     ({"model": dict(TINY["model"], num_params=1.0e12)}, r"model: toy needs [\d.]+ GiB of weights per GPU"),
     ({"model": "gpt-9"}, r"model: no models profile 'gpt-9' \(known: llama2-7b"),
@@ -223,7 +247,7 @@ def test_cli_simulate_and_sweep_write_json_and_plots(tmp_path):
     raw["runs"] = [
         {"name": "recompute", "mode": "recompute", "cpu_kv_gib": 0},
         {"name": "swap", "mode": "swap"},
-        {"name": "smart", "policy": "cost_aware", "mode": "auto", "offload": "write_through"},
+        {"name": "smart", "victim_policy": "cost_aware", "mode": "auto", "offload": "write_through"},
     ]
     raw["sweep"] = {"gpu_kv_gib": [8 * KIB_IN_GIB, 16 * KIB_IN_GIB], "rate": [0.5]}
     cfg = tmp_path / "tiny.yaml"

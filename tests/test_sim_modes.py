@@ -33,7 +33,16 @@ def swap_config(copies: str, gbps: float | None = None, **run_keys):
         workload__prompt_len={"dist": "fixed", "value": 12},
         workload__output_len={"dist": "fixed", "value": 6},
         model=TOY2,
-        runs=[{"name": "swap", "policy": "lru", "mode": "swap", "offload": "none", "copies": copies, **run_keys}],
+        runs=[
+            {
+                "name": "swap",
+                "victim_policy": "last_admitted",
+                "mode": "swap",
+                "offload": "none",
+                "copies": copies,
+                **run_keys,
+            }
+        ],
         **changes,
     )
 

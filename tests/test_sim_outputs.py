@@ -21,7 +21,7 @@ def swap_scenario(**changes):
         workload__arrival={"process": "bursty", "rate": 1.0, "burst_size": 2},
         workload__prompt_len={"dist": "fixed", "value": 12},
         workload__output_len={"dist": "fixed", "value": 6},
-        runs=[{"name": "swap", "policy": "lru", "mode": "swap", "offload": "none"}],
+        runs=[{"name": "swap", "victim_policy": "last_admitted", "mode": "swap", "offload": "none"}],
     )
     return config(**{**base, **changes})
 
@@ -63,7 +63,7 @@ def test_recompute_rows_count_the_tokens_computed_again():
     # cached in the free queue deepest first); at t=5 A's fifth block evicts B's third.  At t=6 B
     # is admitted again with 13 known tokens: 8 come back from the GPU prefix cache, so the step
     # computes 5, of which 4 (tokens 8-11) had been computed before.
-    cfg = swap_scenario(runs=[{"name": "rec", "policy": "lru", "mode": "recompute", "cpu_kv_gib": 0}])
+    cfg = swap_scenario(runs=[{"name": "rec", "victim_policy": "last_admitted", "mode": "recompute", "cpu_kv_gib": 0}])
     res, sim = run(cfg, trace=True)
     assert (1.0, "preempt_recompute", 1) in sim.loop.trace and (6.0, "step", ((1, 5),)) in sim.loop.trace
     b = sim.records[1]
@@ -99,7 +99,9 @@ def test_chrome_trace_has_each_step_and_each_copy_on_its_track():
 
 
 def test_blocking_trace_shows_the_wait_before_the_step():
-    cfg = swap_scenario(runs=[{"name": "v0", "policy": "lru", "mode": "swap", "offload": "none", "copies": "blocking"}])
+    cfg = swap_scenario(
+        runs=[{"name": "v0", "victim_policy": "last_admitted", "mode": "swap", "offload": "none", "copies": "blocking"}]
+    )
     events = chrome_trace(run(cfg, keep_timeline=True)[1], "v0")
     waits = [(e["ts"], e["dur"]) for e in events if e["name"] == "waiting for copies"]
     assert waits == [(1e6, 0.75e6)]  # the step issued at 1.0 waits for the swap-out until 1.75

@@ -32,8 +32,8 @@ def busy_raw():
     )
     raw["runs"] = [
         {"name": "recompute", "mode": "recompute", "cpu_kv_gib": 0},
-        {"name": "swap", "policy": "largest", "mode": "swap"},
-        {"name": "smart", "policy": "cost_aware", "mode": "auto", "offload": "write_through"},
+        {"name": "swap", "victim_policy": "largest", "mode": "swap"},
+        {"name": "smart", "victim_policy": "cost_aware", "mode": "auto", "offload": "write_through"},
     ]
     raw["sweep"] = {"gpu_kv_gib": [24 * KIB_IN_GIB, 32 * KIB_IN_GIB], "rate": [2.0, 4.0]}
     return raw

@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tiered_kv.core import Request
 from tiered_kv.errors import InvalidTransitionError
 from tiered_kv.manager import CostModel, Residency, TierManager
-from tiered_kv.manager.policies import Candidate, get_policy, select_victims
+from tiered_kv.manager.victim_policy import Candidate, get_victim_policy, select_victims
 from tiered_kv.transfer import ControlledCopyEngine, PlanKind
 
 BS = 2
@@ -156,7 +156,7 @@ class TierMachine(RuleBasedStateMachine):
             del self.reqs[rid]  # this machine forgets recompute victims (a scheduler would re-queue them)
 
     @precondition(lambda self: self.tm is not None)
-    @rule(n=st.integers(1, 6), policy=st.sampled_from(["lru", "largest", "prefill_aware", "cost_aware"]))
+    @rule(n=st.integers(1, 6), policy=st.sampled_from(["last_admitted", "largest", "prefill_aware", "cost_aware"]))
     def preempt_for_room(self, n, policy):
         """The scheduler's loop: select victims by a policy, then preempt each (all or nothing)."""
         ids = self._on(Residency.GPU)
@@ -167,7 +167,7 @@ class TierMachine(RuleBasedStateMachine):
             )
             for i, r in enumerate(ids)
         ]
-        victims = select_victims(get_policy(policy, self.tm.cost_model), cands, n, "auto", self.tm.cpu_room())
+        victims = select_victims(get_victim_policy(policy, self.tm.cost_model), cands, n, "auto", self.tm.cpu_room())
         for v in victims or ():
             p = self.tm.preempt(v.request_id, "auto")
             if p.residency is None:

@@ -1,6 +1,6 @@
 """Argument checks shared by every public call (standard library only, below every layer).
 
-The rule they enforce (DESIGN.md, "validate, then mutate"): a public call checks
+The rule they enforce, "validate, then mutate": a public call checks
 every argument, types included, before it changes anything, and a bad one raises
 :class:`~tiered_kv.errors.InvalidArgumentError` naming the argument.
 

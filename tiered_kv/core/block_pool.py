@@ -166,8 +166,8 @@ class BlockPool:
         return num_cached_blocks(self.cached_block_hash_to_block)
 
     # --------------------------------------------------------------- allocation
-    # About 60 lines on purpose: one fused loop takes, evicts and hands out each block (the
-    # speed of every allocation); helpers called per block would cost more than the loop's work.
+    # One fused loop takes, evicts and hands out each block: it runs for every allocation, and a
+    # helper called per block would cost more than the loop's own work.
     def get_new_blocks(self, num_blocks: object) -> list[KVCacheBlock]:
         """Take ``num_blocks`` (an int >= 0) blocks from the front, each with ``ref_cnt`` 1.
 
@@ -360,8 +360,8 @@ class BlockPool:
                 fq.restore(b)
 
     # ------------------------------------------------------------------ caching
-    # About 70 lines on purpose: the argument checks, the one-block decode fast path and the
-    # one-pass general path sit together so that every path checks before it changes anything.
+    # The argument checks, the one-block decode fast path and the one-pass general path sit
+    # together so that every path checks before it changes anything.
     def cache_full_blocks(
         self,
         request: object,

@@ -129,10 +129,9 @@ class KVCacheManager:
         evictable = sum(1 for b in hits if b.ref_cnt == 0)
         return max(needed, 0) + evictable
 
-    # About 80 lines, on purpose: like vLLM's allocate_slots it checks every argument before it
-    # changes anything, then touches hits, hands out blocks and caches, in that order.  It is the
-    # hottest call of every step, and split apart the all-or-nothing checks would sit away from
-    # the changes they guard.
+    # Like vLLM's allocate_slots it checks every argument before it changes anything, then
+    # touches hits, hands out blocks and caches, in that order: the all-or-nothing checks sit
+    # beside the changes they guard.  It is the hottest call of every step.
     def allocate_slots(
         self,
         request: object,

@@ -84,7 +84,7 @@ class Engine:
         num_gpu_blocks / num_cpu_blocks: Tier sizes (null block included).
         block_size: Tokens per block.
         layout: KV layout of both tiers.
-        policy / mode: The scheduler's victim policy and preemption mode.
+        victim_policy / mode: The scheduler's victim policy and preemption mode.
         offload / evict_window: The tier manager's CPU prefix-tier policy.
         cost_model: For the cost-aware policy (e.g. from ``tiered-kv crossover``).
         copy_engine: Factory ``tiers -> engine``; default: CUDA streams on a GPU, else CPU threads.
@@ -116,7 +116,7 @@ class Engine:
         num_cpu_blocks: int = 256,
         block_size: int = 4,
         layout: str = "block_contiguous",
-        policy: str = "lru",
+        victim_policy: str = "last_admitted",
         mode: str = "auto",
         offload: str = "none",
         max_num_batched_tokens: int = 512,
@@ -149,7 +149,12 @@ class Engine:
         manager_options = {"offload": offload, "hash_fn": hash_fn, "evict_window": evict_window}
         tm = self._make_manager(num_gpu_blocks, num_cpu_blocks, block_size, cost_model, manager_options)
         sched_config = SchedulerConfig(
-            max_num_batched_tokens, max_num_seqs, chunked_prefill, policy=policy, mode=mode, layerwise=layerwise
+            max_num_batched_tokens,
+            max_num_seqs,
+            chunked_prefill,
+            victim_policy=victim_policy,
+            mode=mode,
+            layerwise=layerwise,
         )
         self.scheduler = Scheduler(tm, sched_config)
         self.model = TinyLlama(self.config, device)

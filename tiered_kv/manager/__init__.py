@@ -8,27 +8,27 @@ from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.cost_model import DEFAULT_TIER_LINKS, CostModel, TierLink
 from tiered_kv.manager.metrics import LowerTierCounters, MetricsSnapshot, TierCounters
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
-from tiered_kv.manager.policies import (
-    POLICIES,
-    Candidate,
-    CostAwarePolicy,
-    LargestPolicy,
-    LRUPolicy,
-    PrefillAwarePolicy,
-    VictimPolicy,
-    get_policy,
-    select_victims,
-)
 from tiered_kv.manager.pricing import LoadQuote, Quote
 from tiered_kv.manager.states import PreemptMode, Residency
 from tiered_kv.manager.tier_manager import TierManager
+from tiered_kv.manager.victim_policy import (
+    VICTIM_POLICIES,
+    Candidate,
+    CostAwarePolicy,
+    LargestPolicy,
+    LastAdmittedPolicy,
+    PrefillAwarePolicy,
+    VictimPolicy,
+    get_victim_policy,
+    select_victims,
+)
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.store import BlockStore, LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEvent
 from tiered_kv.transfer.plan import PlanKind
 
 __all__ = [
     "DEFAULT_TIER_LINKS",
-    "POLICIES",
+    "VICTIM_POLICIES",
     "Admission",
     "BlockStore",
     "BoundedLog",
@@ -38,8 +38,8 @@ __all__ = [
     "CostAwarePolicy",
     "CostModel",
     "Decision",
-    "LRUPolicy",
     "LargestPolicy",
+    "LastAdmittedPolicy",
     "LoadDecision",
     "LoadQuote",
     "LoadStoreSpec",
@@ -59,6 +59,6 @@ __all__ = [
     "TierLink",
     "TierManager",
     "VictimPolicy",
-    "get_policy",
+    "get_victim_policy",
     "select_victims",
 ]

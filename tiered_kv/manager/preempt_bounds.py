@@ -5,7 +5,7 @@ per GPU block it frees, ``Quote.cost(mode) / Quote.blocks_freed``.  Pricing one
 request exactly scans its block table (the blocks it alone holds, those the CPU
 tier lacks, their runs); at hundreds of running requests, pricing every one at
 each decision costs more than the rest of a scheduler step.  Best-first ranking
-(:meth:`~tiered_kv.manager.policies.VictimPolicy.iter_rank`) prices only the
+(:meth:`~tiered_kv.manager.victim_policy.VictimPolicy.iter_rank`) prices only the
 requests whose bound is below the best exact key found so far, so a bound must
 be cheap and tight, and never above the exact key, or the order would change.
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tiered_kv import checks
-from tiered_kv.manager.policies import POLICIES
+from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.states import MODES
+from tiered_kv.manager.victim_policy import RENAMED_VICTIM_POLICIES, VICTIM_POLICIES, renamed_victim_policy_hint
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""The scheduling orders, vLLM v1's ``policy`` values."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,12 +21,15 @@ class SchedulerConfig:
         max_num_batched_tokens: Token budget of one step.
         max_num_seqs: Requests admitted at once (running, loading or swapping in).
         chunked_prefill: Split prompts longer than the budget across steps.
-        policy: Victim policy name (see :mod:`tiered_kv.manager.policies`).
+        policy: The scheduling order, vLLM v1's ``policy``: ``"fcfs"`` (serve
+            and keep in arrival order; preempt the last of the running queue)
+            or ``"priority"`` (serve the lowest ``(priority, arrival_time)``
+            first; preempt the highest).
+        victim_policy: Which running requests are preempted first (see
+            :mod:`tiered_kv.manager.victim_policy`); ``"last_admitted"`` is
+            vLLM v1's order.
         mode: Preemption mode: ``"swap"``, ``"recompute"`` or ``"auto"`` (per
             victim, from its quote).
-        scheduling: ``"fcfs"`` (serve and keep in arrival order; preempt the
-            last of the running queue) or ``"priority"`` (serve the lowest
-            ``(priority, arrival_time)`` first; preempt the highest), as vLLM v1.
         layerwise: Resume swapped requests layer by layer and compute them in
             the step their load starts: :attr:`SchedulerOutput.loads` names the
             handle whose layer ``i`` a driver must wait for before layer ``i``
@@ -37,9 +44,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
     chunked_prefill: bool = True
-    policy: str = "lru"
+    policy: str = "fcfs"
+    victim_policy: str = "last_admitted"
     mode: str = "auto"
-    scheduling: str = "fcfs"
     layerwise: bool = False
     skip_quiet_allocations: bool = True
 
@@ -47,8 +54,20 @@ class SchedulerConfig:
         checks.count("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         checks.count("max_num_seqs", self.max_num_seqs, 1)
         checks.flag("chunked_prefill", self.chunked_prefill)
-        checks.choice("policy", self.policy, POLICIES)
+        if self.policy.__class__ is str and (self.policy in VICTIM_POLICIES or self.policy in RENAMED_VICTIM_POLICIES):
+            # The field meant the victim policy once; a name from that vocabulary is refused, not reinterpreted.
+            new = RENAMED_VICTIM_POLICIES.get(self.policy, self.policy)
+            raise InvalidArgumentError(
+                f"policy: {self.policy!r} is not a scheduling order (policy is fcfs or priority, as in vLLM); "
+                f"the victim policy is now victim_policy={new!r}"
+            )
+        checks.choice("policy", self.policy, SCHEDULING_POLICIES)
+        if self.victim_policy.__class__ is str and self.victim_policy not in VICTIM_POLICIES:
+            raise InvalidArgumentError(
+                f"victim_policy: unknown victim policy {self.victim_policy!r}; "
+                f"{renamed_victim_policy_hint(self.victim_policy)}"
+            )
+        checks.choice("victim_policy", self.victim_policy, VICTIM_POLICIES)
         checks.choice("mode", self.mode, MODES)
-        checks.choice("scheduling", self.scheduling, ("fcfs", "priority"))
         checks.flag("layerwise", self.layerwise)
         checks.flag("skip_quiet_allocations", self.skip_quiet_allocations)

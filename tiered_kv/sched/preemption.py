@@ -23,9 +23,9 @@ from collections.abc import Hashable
 
 from tiered_kv.core.request import Request
 from tiered_kv.manager.outcomes import Preemption
-from tiered_kv.manager.policies import Candidate, VictimPolicy, select_victims
 from tiered_kv.manager.states import PreemptMode, Residency
 from tiered_kv.manager.tier_manager import TierManager
+from tiered_kv.manager.victim_policy import Candidate, VictimPolicy, select_victims
 from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sched.output import SchedulerOutput
 from tiered_kv.sched.status import RequestStatus
@@ -39,7 +39,7 @@ class Preempting:
 
     tm: TierManager
     config: SchedulerConfig
-    policy: VictimPolicy
+    victim_policy: VictimPolicy
     running: list[Request]
     waiting: deque[Request]
     swapped: deque[Request]
@@ -73,7 +73,11 @@ class Preempting:
             if short <= promised:
                 return False, promised - short  # copies in flight will free enough: wait for them
             victims = select_victims(
-                self.policy, self._candidates(scheduled | {rid}), short - promised, self.config.mode, tm.cpu_room()
+                self.victim_policy,
+                self._candidates(scheduled | {rid}),
+                short - promised,
+                self.config.mode,
+                tm.cpu_room(),
             )
             if victims is None:
                 if rid in self._loads:  # its KV is still landing: it cannot be preempted now; it waits
@@ -91,7 +95,7 @@ class Preempting:
     def _candidates(self, exclude: set[Hashable]) -> list[Candidate]:
         """Running requests that may be preempted, ranked by vLLM's rule (higher rank goes first)."""
         status, loads = self.status, self._loads
-        if self.config.scheduling == "fcfs":
+        if self.config.policy == "fcfs":
             order = list(self.running)
         else:
             order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))

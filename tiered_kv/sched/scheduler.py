@@ -47,8 +47,8 @@ from tiered_kv.core.request import Request
 from tiered_kv.errors import InvalidArgumentError, UnknownRequestError
 from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.outcomes import Completion
-from tiered_kv.manager.policies import get_policy
 from tiered_kv.manager.tier_manager import TierManager
+from tiered_kv.manager.victim_policy import get_victim_policy
 from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sched.consistency import check_consistency
 from tiered_kv.sched.output import SchedulerOutput
@@ -64,13 +64,13 @@ class Scheduler(Preempting):
 
     Args:
         tm: The tier manager (owns where KV lives).
-        config: Budget, limits, victim policy, preemption mode, scheduling order.
+        config: Budget, limits, scheduling order, victim policy, preemption mode.
     """
 
     def __init__(self, tm: TierManager, config: SchedulerConfig | None = None) -> None:
         self.tm = tm
         self.config = config or SchedulerConfig()
-        self.policy = get_policy(self.config.policy, tm.cost_model)
+        self.victim_policy = get_victim_policy(self.config.victim_policy, tm.cost_model)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -374,7 +374,7 @@ class Scheduler(Preempting):
         return budget - n
 
     def _next_waiting(self) -> Request:
-        if self.config.scheduling == "fcfs":
+        if self.config.policy == "fcfs":
             return self.waiting[0]
         return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
 

@@ -63,7 +63,7 @@ class RunSetup:
     """Everything one simulated run needs, derived from a validated config and one ``runs`` entry."""
 
     name: str
-    policy: str
+    victim_policy: str
     mode: str
     offload: str
     hardware: HardwareProfile
@@ -458,7 +458,7 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
     tiers = resolve_tiers(run["tiers"], hw.tiers, block_bytes, max(n_cpu, 0), run["offload"], f"{rkey}.tiers")
     return RunSetup(
         name=run["name"],
-        policy=run["policy"],
+        victim_policy=run["victim_policy"],
         mode=run["mode"],
         offload=run["offload"],
         hardware=hw,

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiered_kv.manager.policies import POLICIES
+from tiered_kv.manager.victim_policy import RENAMED_VICTIM_POLICIES, VICTIM_POLICIES, renamed_victim_policy_hint
 from tiered_kv.sim.link import LAYOUTS, MODES
 from tiered_kv.sim.schema import (
     REQUIRED,
     Field,
+    Retired,
     choice,
     fraction,
     integer,
@@ -24,6 +25,31 @@ from tiered_kv.sim.schema import (
     probability,
 )
 from tiered_kv.sim.tier_config import RUN_TIERS_SCHEMA
+
+
+def _run_policy(value: Any) -> str:
+    new = RENAMED_VICTIM_POLICIES.get(value, value) if isinstance(value, str) else value
+    if new in VICTIM_POLICIES:
+        return (
+            f"{value!r} is not a scheduling order (policy means the scheduling order, fcfs or priority, as in "
+            f"vLLM; the simulator serves in arrival order); the victim policy is now victim_policy: {new}"
+        )
+    return "the victim policy of a run is now victim_policy (the simulator serves in arrival order: fcfs)"
+
+
+def _victim_policy(value: str) -> str | None:
+    if value in VICTIM_POLICIES:
+        return None
+    if value in RENAMED_VICTIM_POLICIES:
+        return f"{value!r} was renamed: {renamed_victim_policy_hint(value)}"
+    return f"must be one of {sorted(VICTIM_POLICIES)}, got {value!r}"
+
+
+def _scheduling(value: Any) -> str:
+    return (
+        "the scheduling order is now called policy (SchedulerConfig.policy: fcfs or priority, as in vLLM); "
+        "the simulator serves in arrival order (fcfs) and takes no such key"
+    )
 
 
 def _length(default_dist: str, value: int) -> dict[str, Any]:
@@ -43,7 +69,9 @@ RUN_SCHEMA = {
     "name": Field((str,)),
     "note": Field((str,), ""),
     "vs": Field((str,), None, nullable=True),
-    "policy": choice("lru", *sorted(POLICIES)),
+    "victim_policy": Field((str,), "last_admitted", None, (_victim_policy,)),
+    "policy": Retired(_run_policy),
+    "scheduling": Retired(_scheduling),
     "mode": choice("auto", "swap", "recompute", "auto"),
     "offload": choice("none", "none", "write_through", "on_evict"),
     "cpu_kv_gib": num(None, non_negative, nullable=True),
@@ -86,6 +114,7 @@ SCHEMA: dict[str, Any] = {
         "max_num_batched_tokens": Field((int,), None, None, (positive,), nullable=True),
         "max_num_seqs": Field((int,), None, None, (positive,), nullable=True),
         "chunked_prefill": Field((bool,), True),
+        "scheduling": Retired(_scheduling),
     },
     # Overrides of the hardware profile's fitted step model (None: the profile's).
     "compute": {
@@ -148,7 +177,7 @@ DEFAULT_RUNS = [
     {
         "name": "recompute-only",
         "note": "vLLM v1",
-        "policy": "lru",
+        "victim_policy": "last_admitted",
         "mode": "recompute",
         "offload": "none",
         "cpu_kv_gib": 0,
@@ -157,7 +186,7 @@ DEFAULT_RUNS = [
         "name": "recompute+cpu-tier",
         "note": "vLLM v1 + CPU offloading connector",
         "vs": "recompute-only",
-        "policy": "lru",
+        "victim_policy": "last_admitted",
         "mode": "recompute",
         "offload": "write_through",
     },
@@ -165,7 +194,7 @@ DEFAULT_RUNS = [
         "name": "always-swap",
         "note": "vLLM v0, blocking swaps",
         "vs": "recompute-only",
-        "policy": "lru",
+        "victim_policy": "last_admitted",
         "mode": "swap",
         "offload": "none",
         "copies": "blocking",
@@ -176,7 +205,7 @@ DEFAULT_RUNS = [
         "name": "cost-aware",
         "note": "swap or recompute per victim, no CPU tier",
         "vs": "recompute-only",
-        "policy": "cost_aware",
+        "victim_policy": "cost_aware",
         "mode": "auto",
         "offload": "none",
     },
@@ -184,7 +213,7 @@ DEFAULT_RUNS = [
         "name": "cost-aware+cpu-tier",
         "note": "swap or recompute per victim + CPU prefix tier",
         "vs": "recompute+cpu-tier",
-        "policy": "cost_aware",
+        "victim_policy": "cost_aware",
         "mode": "auto",
         "offload": "write_through",
     },

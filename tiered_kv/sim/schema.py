@@ -52,6 +52,18 @@ class Field:
         return " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in self.types))
 
 
+@dataclass(frozen=True)
+class Retired:
+    """A key that was renamed or removed: refused with ``explain(value)``, which names what to write instead.
+
+    Old names are never aliased: a config that still says ``policy: lru`` on a
+    run meant the victim policy, and reading it under the key's new meaning
+    (the scheduling order) would run something else without a word.
+    """
+
+    explain: Callable[[Any], str]
+
+
 def positive(v: Any) -> str | None:
     return None if v > 0 else f"must be > 0, got {v}"
 
@@ -119,12 +131,18 @@ def _validate(data: Any, schema: Mapping[str, Any], path: str, missing: list[str
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+    for key, spec in schema.items():
+        if isinstance(spec, Retired) and key in data:
+            raise ConfigError(f"{f'{path}.{key}' if path else key}: {spec.explain(data[key])}")
+    known = sorted(k for k, spec in schema.items() if not isinstance(spec, Retired))
     unknown = sorted(set(data) - set(schema))
     if unknown:
         key = f"{path}.{unknown[0]}" if path else str(unknown[0])
-        raise ConfigError(f"{key}: unknown key (known keys here: {', '.join(sorted(schema))})")
+        raise ConfigError(f"{key}: unknown key (known keys here: {', '.join(known)})")
     out: dict[str, Any] = {}
     for key, spec in schema.items():
+        if isinstance(spec, Retired):
+            continue
         full = f"{path}.{key}" if path else key
         if isinstance(spec, Mapping):
             out[key] = _validate(data.get(key), spec, full, missing)

@@ -149,7 +149,7 @@ class Simulator:
                 setup.max_num_batched_tokens,
                 setup.max_num_seqs,
                 setup.chunked_prefill,
-                policy=setup.policy,
+                victim_policy=setup.victim_policy,
                 mode=setup.mode,
                 skip_quiet_allocations=fast_path,
             ),
@@ -167,8 +167,8 @@ class Simulator:
         elif plan.kind is PlanKind.ONBOARD:
             rec.onboard_bytes += job.nbytes
 
-    # One long function on purpose: the event loop.  Its locals are the hot loop's state, and a
-    # call per event or per request-step would cost more than the work it does;
+    # The event loop, in one function: its locals are the hot loop's state, and a call per
+    # event or per request-step would cost more than the work it does;
     # ``benchmarks/bench_sim.py --digest`` pins its decisions, event for event.
     def run(self) -> dict[str, Any]:
         loop, sched, link = self.loop, self.scheduler, self.engine
@@ -415,7 +415,7 @@ class Simulator:
         st = self.setup
         return {
             "run": st.name,
-            "policy": st.policy,
+            "victim_policy": st.victim_policy,
             "mode": st.mode,
             "offload": st.offload,
             "copies": st.copies,

@@ -49,7 +49,7 @@ def run_cell(cell: Cell, hook: Hook | None = None) -> dict[str, Any]:
     run = cell.cfg["runs"][cell.run_index]
     return {
         "run": run["name"],
-        "policy": run["policy"],
+        "victim_policy": run["victim_policy"],
         "mode": run["mode"],
         "tier": tier_label(run),
         "rate": cell.rate,
@@ -157,7 +157,7 @@ def verdicts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     cells = dict.fromkeys((r["rate"], r["gpu_kv_gib"]) for r in rows)
     for rate, mem in cells:
         cell = [r for r in rows if r["rate"] == rate and r["gpu_kv_gib"] == mem]
-        for smart in (r for r in cell if r["policy"] == "cost_aware" and r["mode"] == "auto"):
+        for smart in (r for r in cell if r["victim_policy"] == "cost_aware" and r["mode"] == "auto"):
             like = [r for r in cell if r["mode"] in ("swap", "recompute") and r["tier"] == smart["tier"]]
             best = max(like, key=lambda r: r["throughput_rps"], default=None)
             ratio = smart["throughput_rps"] / best["throughput_rps"] if best and best["throughput_rps"] else None

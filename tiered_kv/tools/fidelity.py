@@ -42,7 +42,7 @@ def run_engine(st: RunSetup, workload: list[SimRequest], cal: Calibration) -> di
         num_cpu_blocks=st.num_cpu_blocks,
         block_size=st.block_size,
         layout=cal.layout,
-        policy=st.policy,
+        victim_policy=st.victim_policy,
         mode=st.mode,
         offload=st.offload,
         max_num_batched_tokens=st.max_num_batched_tokens,

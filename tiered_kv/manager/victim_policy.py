@@ -1,15 +1,15 @@
 """Victim policies: which running requests to preempt first.
 
 Each policy is a small class with a sort key over :class:`Candidate` records;
-one shared contract test runs against all of them (tests/test_policies.py).
+one shared contract test runs against all of them (tests/test_victim_policy.py).
 Keys end with the candidate's ``rank``, which is unique, so the order is total
 and ties break deterministically.
 
 ``rank`` is the scheduler's own preemption order, vLLM v1's rule: with FCFS
 scheduling the last request of the running queue goes first (the latest
 admitted), with priority scheduling the request with the largest
-``(priority, arrival_time)``.  A higher rank is preempted first.  The ``lru``
-policy is exactly that order; the others re-rank by size, prefill progress or
+``(priority, arrival_time)``.  A higher rank is preempted first.  The
+``last_admitted`` policy is exactly that order; the others re-rank by size, prefill progress or
 cost and fall back to it on ties.
 
 Policies choose *who*; the mode (swap or recompute) of each victim is chosen
@@ -149,10 +149,14 @@ class VictimPolicy:
         return list(self.iter_rank(candidates, mode))
 
 
-class LRUPolicy(VictimPolicy):
-    """vLLM v1's order: the last request of the running queue (or the lowest priority) first."""
+class LastAdmittedPolicy(VictimPolicy):
+    """vLLM v1's order: the last request of the running queue (or the lowest priority) first.
 
-    name: ClassVar[str] = "lru"
+    Not least-recently-used: every running request is used every step, so the
+    order is by admission (or priority), the latest admitted first.
+    """
+
+    name: ClassVar[str] = "last_admitted"
 
     def key(self, c: Candidate, mode: str) -> tuple:
         return (-c.rank,)
@@ -249,21 +253,35 @@ def _bounds_of(candidates: Sequence[Candidate]) -> Bounds | None:
     return bounds
 
 
-POLICIES: dict[str, type[VictimPolicy]] = {
-    cls.name: cls for cls in (LRUPolicy, LargestPolicy, PrefillAwarePolicy, CostAwarePolicy)
+VICTIM_POLICIES: dict[str, type[VictimPolicy]] = {
+    cls.name: cls for cls in (LastAdmittedPolicy, LargestPolicy, PrefillAwarePolicy, CostAwarePolicy)
 }
 
 
-def get_policy(policy: str | VictimPolicy, cost_model: CostModel | None = None) -> VictimPolicy:
+def get_victim_policy(policy: str | VictimPolicy, cost_model: CostModel | None = None) -> VictimPolicy:
     """A policy by name (``cost_aware`` gets ``cost_model`` for its bound) or the instance itself."""
     if isinstance(policy, VictimPolicy):
         return policy
     if policy.__class__ is not str:
-        raise InvalidArgumentError(f"policy must be a policy name or a VictimPolicy, got {checks.describe(policy)}")
-    cls = POLICIES.get(policy)
+        raise InvalidArgumentError(
+            f"victim_policy must be a policy name or a VictimPolicy, got {checks.describe(policy)}"
+        )
+    cls = VICTIM_POLICIES.get(policy)
     if cls is None:
-        raise InvalidArgumentError(f"unknown victim policy {policy!r}; choose from {sorted(POLICIES)}")
+        raise InvalidArgumentError(f"unknown victim policy {policy!r}; {renamed_victim_policy_hint(policy)}")
     return CostAwarePolicy(cost_model) if cls is CostAwarePolicy else cls()
+
+
+RENAMED_VICTIM_POLICIES = {"lru": "last_admitted"}
+"""Victim policy names that were renamed, old -> new: refused with the new name, never aliased."""
+
+
+def renamed_victim_policy_hint(name: object) -> str:
+    """What to write instead of an unknown victim policy ``name``: its new name, or the choices."""
+    new = RENAMED_VICTIM_POLICIES.get(name) if isinstance(name, str) else None
+    if new is not None:
+        return f"it is now called {new!r} (the last admitted goes first, vLLM's order; it is not LRU)"
+    return f"the victim policies are {sorted(VICTIM_POLICIES)}"
 
 
 def select_victims(

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tiered_kv.manager import POLICIES, Candidate, CostModel, PreemptMode, get_policy, select_victims
+from tiered_kv.manager import VICTIM_POLICIES, Candidate, CostModel, PreemptMode, get_victim_policy, select_victims
 from tiered_kv.manager.pricing import price
 
 CM = CostModel(
@@ -39,10 +39,10 @@ def candidates(room=True):
     ]
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", sorted(VICTIM_POLICIES))
 @pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
 def test_policy_contract(name, mode):
-    policy = get_policy(name, CM)
+    policy = get_victim_policy(name, CM)
     cands = candidates()
     ranked = [c.request_id for c in policy.rank(cands, mode)]
     assert sorted(ranked) == ["a", "b", "c", "d"]  # each exactly once
@@ -54,24 +54,29 @@ def test_policy_contract(name, mode):
         assert c.quote.choose("auto")[0] is PreemptMode.RECOMPUTE
 
 
-def test_lru_is_vllms_order_the_last_of_the_running_queue_first():
-    assert [c.request_id for c in get_policy("lru").rank(candidates(), "recompute")] == ["d", "c", "b", "a"]
+def test_last_admitted_is_vllms_order_the_last_of_the_running_queue_first():
+    assert [c.request_id for c in get_victim_policy("last_admitted").rank(candidates(), "recompute")] == [
+        "d",
+        "c",
+        "b",
+        "a",
+    ]
 
 
 def test_largest_order_falls_back_to_the_queue_order():
-    assert [c.request_id for c in get_policy("largest").rank(candidates(), "recompute")] == ["b", "d", "a", "c"]
+    assert [c.request_id for c in get_victim_policy("largest").rank(candidates(), "recompute")] == ["b", "d", "a", "c"]
     same = [cand("x", 0, 3, 48, 48), cand("y", 1, 3, 48, 48, start=10)]
-    assert [c.request_id for c in get_policy("largest").rank(same, "recompute")] == ["y", "x"]
+    assert [c.request_id for c in get_victim_policy("largest").rank(same, "recompute")] == ["y", "x"]
 
 
 def test_prefill_aware_puts_mid_prefill_last_and_least_work_first():
-    order = [c.request_id for c in get_policy("prefill_aware").rank(candidates(), "recompute")]
+    order = [c.request_id for c in get_victim_policy("prefill_aware").rank(candidates(), "recompute")]
     # b (128 computed of a 100-token prompt: decoding) is not mid-prefill; c is (20 of 40).
     assert order == ["a", "d", "b", "c"]
 
 
 def test_cost_aware_minimises_time_lost_per_block_freed():
-    ranked = get_policy("cost_aware", CM).rank(candidates(), "auto")
+    ranked = get_victim_policy("cost_aware", CM).rank(candidates(), "auto")
     per_block = [c.quote.cost("auto") / c.quote.blocks_freed for c in ranked]
     assert per_block == sorted(per_block)
     assert [c.quote.blocks_freed for c in ranked if c.request_id == "b"] == [6]
@@ -97,7 +102,7 @@ def test_cost_aware_best_first_matches_a_full_sort(mode):
     rng = random.Random(7)
     for trial in range(30):
         cm = CM if trial % 2 else CostModel(kv_bytes_per_token=1024, block_size=16, prefill_tokens_per_s=1e6)
-        policy = get_policy("cost_aware", cm)
+        policy = get_victim_policy("cost_aware", cm)
         cands = []
         start = 1
         for rank in range(rng.randrange(1, 40)):
@@ -124,12 +129,12 @@ def test_cost_aware_best_first_matches_a_full_sort(mode):
 
 def test_select_victims_is_all_or_nothing_and_skips_what_frees_nothing():
     cands = [*candidates(), cand("e", 4, 3, 48, 48, shared=3, start=80)]  # e frees no block
-    lru = get_policy("lru")
-    assert [c.request_id for c in select_victims(lru, cands, 5, "auto", 100)] == ["d"]  # 6 blocks
-    assert [c.request_id for c in select_victims(lru, cands, 7, "auto", 100)] == ["d", "c"]
-    assert select_victims(lru, cands, 100, "auto", 100) is None  # 4 + 6 + 2 + 6 = 18 at most
+    order = get_victim_policy("last_admitted")
+    assert [c.request_id for c in select_victims(order, cands, 5, "auto", 100)] == ["d"]  # 6 blocks
+    assert [c.request_id for c in select_victims(order, cands, 7, "auto", 100)] == ["d", "c"]
+    assert select_victims(order, cands, 100, "auto", 100) is None  # 4 + 6 + 2 + 6 = 18 at most
     # Forced swap: a victim must fit in what is left of the CPU room.
-    assert [c.request_id for c in select_victims(lru, cands, 7, "swap", 9)] == ["d", "c"]  # 6 + 2 <= 9
-    assert select_victims(lru, cands, 7, "swap", 7) is None  # after d, 1 block of room: nobody else fits
-    assert [c.request_id for c in select_victims(lru, cands, 9, "swap", 12)] == ["d", "c", "a"]  # b (8) skipped
-    assert select_victims(lru, candidates(room=False), 1, "swap", 100) is None
+    assert [c.request_id for c in select_victims(order, cands, 7, "swap", 9)] == ["d", "c"]  # 6 + 2 <= 9
+    assert select_victims(order, cands, 7, "swap", 7) is None  # after d, 1 block of room: nobody else fits
+    assert [c.request_id for c in select_victims(order, cands, 9, "swap", 12)] == ["d", "c", "a"]  # b (8) skipped
+    assert select_victims(order, candidates(room=False), 1, "swap", 100) is None
