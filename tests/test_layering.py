@@ -133,4 +133,4 @@ def test_nothing_imports_the_integrations_and_only_they_import_vllm():
                 bad.append(f"{path.relative_to(root)} imports {mod}")
     assert bad == []
     adapters = sorted(p.name for p in (root / "integrations" / "vllm").glob("*.py"))
-    assert {"disk_tier.py", "redis_tier.py", "store_tier.py"} <= set(adapters)
+    assert {"disk_tier.py", "redis_tier.py", "store_tier.py", "spec.py", "manager.py"} <= set(adapters)
