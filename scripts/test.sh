@@ -24,5 +24,5 @@ TIERED_KV_EXPECT_COMPILED=1 PYTHONPATH="$PWD/$compiled" .venv/bin/pytest -q -p n
     tests/test_compiled_core.py tests/test_block_pool.py tests/test_free_queue.py tests/test_walkthrough.py \
     tests/test_core_bad_input.py tests/test_core_types.py tests/test_core_stateful.py tests/test_core_import.py \
     tests/test_hashing.py tests/test_prefix_hashes.py tests/test_tier_scenarios.py tests/test_tier_faults.py tests/test_tier_misuse.py \
-    tests/test_tier_stateful.py tests/test_scheduler.py tests/test_policies.py tests/test_quiet_allocations.py \
+    tests/test_tier_stateful.py tests/test_scheduler.py tests/test_victim_policy.py tests/test_quiet_allocations.py \
     tests/test_hot_paths_random.py tests/test_cost_aware_exact.py tests/test_vllm_pool_diff.py tests/test_vllm_unit_tests.py
