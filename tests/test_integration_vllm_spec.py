@@ -7,15 +7,12 @@ the connector hands out, reporting it as vLLM's worker does.
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import pytest
 from vllm_env import need_vllm, offloading_config
 
 need_vllm()
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's CPU platform: this machine has no GPU
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 from vllm.config import (  # noqa: E402

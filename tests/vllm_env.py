@@ -18,7 +18,17 @@ VLLM_VERSION = "0.33.0"
 
 
 def need_vllm() -> None:
-    """Skip the calling module unless vLLM 0.33.0 imports; fail instead where CI requires it."""
+    """Skip the calling module unless vLLM 0.33.0 imports; fail instead where CI requires it.
+
+    On a machine without a GPU, vLLM's platform is set to its CPU platform before vLLM is first
+    imported (vLLM resolves its platform once per process, and cannot infer it from a CUDA wheel
+    on a CPU-only machine); no model hub is used (``HF_HUB_OFFLINE``).
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import vllm
 

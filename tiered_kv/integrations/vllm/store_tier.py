@@ -136,11 +136,14 @@ class StoreTier(SecondaryTierManager, abc.ABC):
         if model is None:
             raise TieredKVError(f"the {tier_type} tier needs a 'model' key: vLLM's config names no model")
         self.buffer = ChunkBuffer(primary_kv_view)
-        geometry = ChunkGeometry(
-            self.buffer.block_bytes, layout if layout is not None else default_layout(offloading_spec)
-        )
-        self.namespace = KVNamespace(model, geometry, hash_scheme)
-        self.store, self.io = self._open(self.namespace, self.buffer, policy)
+        tag = layout if layout is not None else default_layout(offloading_spec)
+        try:
+            geometry = ChunkGeometry(self.buffer.block_bytes, tag)
+            self.namespace = KVNamespace(model, geometry, hash_scheme)
+            self.store, self.io = self._open(self.namespace, self.buffer, policy)
+        except BaseException:
+            self.buffer.release()  # vLLM unmaps its region after a failed start; no view of it may remain
+            raise
         self._jobs: dict[int, _Job] = {}
         self._done: list[JobResult] = []
         self._plan_ids = itertools.count(1)
