@@ -15,16 +15,17 @@ import time
 
 import pytest
 from tierutil import RedisServer, free_port
-from vllm_env import need_vllm, offloading_config
+from vllm_env import PROBLEM, offloading_config, vllm_mark
 
-need_vllm()
+pytestmark = vllm_mark()
 
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key  # noqa: E402
-from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
-from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager  # noqa: E402
+if PROBLEM is None:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from tiered_kv.integrations.vllm import DiskTier, RedisTier  # noqa: E402
-from tiered_kv.tiers.store import LookupResult as StoreLookup  # noqa: E402
+    from tiered_kv.integrations.vllm import DiskTier, RedisTier
+    from tiered_kv.tiers.store import LookupResult as StoreLookup
 
 CHUNK = 4096
 PRIMARY_CHUNKS = 4

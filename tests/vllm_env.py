@@ -17,8 +17,8 @@ import pytest
 VLLM_VERSION = "0.33.0"
 
 
-def need_vllm() -> None:
-    """Skip the calling module unless vLLM 0.33.0 imports; fail instead where CI requires it.
+def vllm_problem() -> str | None:
+    """Why vLLM 0.33.0 cannot be used here, or ``None`` when it imports.
 
     On a machine without a GPU, vLLM's platform is set to its CPU platform before vLLM is first
     imported (vLLM resolves its platform once per process, and cannot infer it from a CUDA wheel
@@ -31,18 +31,28 @@ def need_vllm() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import vllm
-
-        version = getattr(vllm, "__version__", "unknown")
-        problem = None if version == VLLM_VERSION else f"vLLM {version} is installed, the tests are for {VLLM_VERSION}"
     except ImportError as exc:
-        problem = f"vLLM {VLLM_VERSION} is not installed ({exc})"
-    if problem is None:
-        return
-    if os.environ.get("TIERED_KV_REQUIRE_VLLM"):
-        pytest.fail(f"TIERED_KV_REQUIRE_VLLM is set but {problem}", pytrace=False)
-    pytest.skip(
-        f"{problem}: the vLLM integration tests run in .venv-vllm (bash scripts/setup-venv.sh vllm; .ci/run runs them)",
-        allow_module_level=True,
+        return f"vLLM {VLLM_VERSION} is not installed ({exc})"
+    version = getattr(vllm, "__version__", "unknown")
+    return None if version == VLLM_VERSION else f"vLLM {version} is installed, the tests are for {VLLM_VERSION}"
+
+
+PROBLEM = vllm_problem()
+
+
+def vllm_mark() -> pytest.MarkDecorator:
+    """The calling module's ``pytestmark``: skip its tests, naming why, unless vLLM 0.33.0 imports.
+
+    Where ``TIERED_KV_REQUIRE_VLLM`` is set (``.ci/run`` sets it) a missing vLLM fails instead.
+    A mark, not a skip at collection, so that a run selecting other markers (``-m gpu``)
+    deselects these tests instead of counting them.
+    """
+    if PROBLEM is not None and os.environ.get("TIERED_KV_REQUIRE_VLLM"):
+        pytest.fail(f"TIERED_KV_REQUIRE_VLLM is set but {PROBLEM}", pytrace=False)
+    return pytest.mark.skipif(
+        PROBLEM is not None,
+        reason=f"{PROBLEM}: the vLLM integration tests run in .venv-vllm "
+        "(bash scripts/setup-venv.sh vllm; .ci/run runs them)",
     )
 
 
