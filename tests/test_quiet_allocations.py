@@ -110,7 +110,7 @@ def test_tier_manager_quiet_tokens_and_block_count():
     tm, eng = make_tm(gpu=9, cpu=9)
     req = run(tm, "a", "abcdef")
     assert tm.quiet_tokens("a") == 7
-    assert tm.num_gpu_blocks("a") == len(tm.gpu_block_ids("a")) == 2
+    assert tm.gpu_table_length("a") == len(tm.gpu_block_ids("a")) == 2
     req.append_output_token_ids(letters("g"))
     before = pool_snapshot(tm.gpu.block_pool)
     assert tm.allocate("a", 1) == []
@@ -120,11 +120,11 @@ def test_tier_manager_quiet_tokens_and_block_count():
     settle(tm, eng)
     with pytest.raises(InvalidTransitionError, match="cpu"):
         tm.quiet_tokens("a")  # swapped out: allocate would refuse it too
-    assert tm.num_gpu_blocks("a") == 0
+    assert tm.gpu_table_length("a") == 0
     with pytest.raises(UnknownRequestError):
         tm.quiet_tokens("nobody")
     with pytest.raises(UnknownRequestError):
-        tm.num_gpu_blocks("nobody")
+        tm.gpu_table_length("nobody")
 
 
 # ------------------------------------------------------------------------ same decisions, both paths

@@ -80,7 +80,7 @@ for v in BAD_IDS:
         "gpu_block_ids",
         "cpu_block_ids",
         "blocks_short",
-        "num_gpu_blocks",
+        "gpu_table_length",
         "quiet_tokens",
         "start_layerwise_store",
     ):
@@ -402,7 +402,7 @@ def test_a_second_thread_entering_is_refused_with_a_clear_error():
         lambda: tm.residency("B"),
         lambda: tm.allocate("B", 1),
         lambda: tm.quiet_tokens("B"),
-        lambda: tm.num_gpu_blocks("B"),
+        lambda: tm.gpu_table_length("B"),
         lambda: tm.poll(),
         lambda: tm.free("B"),
     )

@@ -19,6 +19,7 @@ from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.cost_model import CostModel, TierLink
 from tiered_kv.manager.states import PreemptMode
 from tiered_kv.storage.spec import KVSpec
+from tiered_kv.transfer.coalesce import count_runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,17 +111,6 @@ class Quote:
             return float("inf") if mode == "swap" else self.recompute_s
         swap_s = self.swap_out_s + self.swap_in_s
         return swap_s if mode == "swap" or swap_s < self.recompute_s else self.recompute_s
-
-
-def count_runs(block_ids: list[int]) -> int:
-    """Runs of consecutive ids: the copies a coalescing engine issues for these blocks."""
-    runs = 0
-    prev = -2
-    for i in block_ids:
-        if i != prev + 1:
-            runs += 1
-        prev = i
-    return runs
 
 
 def price(

@@ -1,63 +1,106 @@
-"""TierManager: where every request's KV lives, across a prefix-cached GPU pool and a CPU store.
+"""TierManager: where every request's KV lives, across a prefix-cached GPU pool and the tiers below it.
 
-A thin front over parts that each own one fact: the GPU pool and block tables
-(:class:`~tiered_kv.core.KVCacheManager`), the CPU store keyed by block hash
-(:mod:`.store`), the copies in flight and what they hold (:mod:`.transfers`),
-and the prices of preemption (:mod:`.pricing`).  It returns outcomes and never
-writes a request's progress (the scheduler's) or touches tensor data.
+One class, in the order a request meets it: the constructor (the one place the
+manager's state is declared), the verbs that move a request between tiers
+(admit, allocate, quote, preempt, resume, drop, free), write-through of
+computed prompt blocks, the settling of final copies (``poll``, ``cancel``),
+the attach of the tiers below the CPU store, then the queries.  It returns
+outcomes and never writes a request's progress (the scheduler's) or touches
+tensor data.
+
+The parts that have their own state are their own classes, which the manager
+drives: the GPU pool and block tables (:class:`~tiered_kv.core.KVCacheManager`),
+the copies in flight and what they hold (:mod:`.transfers`), the prices of
+preemption and of loads (:mod:`.pricing`), swap-out and swap-in
+(:mod:`.swap`), the CPU prefix tier's stores and loads (:mod:`.offload`), the
+per-request bounds behind cost-aware ranking (:mod:`.preempt_bounds`), the
+tiers below the CPU store (:mod:`.lower_tiers`), the stores themselves
+(:mod:`tiered_kv.tiers`) and the victim policies (:mod:`.victim_policy`).
 
 A block that a copy reads or writes is never handed to a new owner: copies hold
 the GPU blocks they read, loads pin the store blocks they read, destinations
 are fresh blocks nobody can hit until the copy lands, and a failed or
 cancelled copy leaves the KV where it was.  Not thread-safe: a second thread
 entering raises :class:`~tiered_kv.errors.ConcurrentUseError`.
-
-This module holds the front's verbs that move a request between tiers
-(admit, allocate, quote, preempt, resume, drop, free).  The rest of the class
-comes from parts over one shared state (:mod:`.manager_state`): queries
-(:mod:`.inspection`), write-through stores (:mod:`.write_through`), settling
-of final copies (:mod:`.settling`, which ``poll`` and ``cancel`` live in) and
-tiers below the CPU store (disk, remote), attached with
-:meth:`TierManager.attach_tiers` (:mod:`.tier_attach`; what they change is in
-:mod:`~tiered_kv.manager.lower_tiers`).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
-from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError
+from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError, UnknownRequestError
 from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE, BoundedLog
-from tiered_kv.manager.cost_model import CostModel
-from tiered_kv.manager.guard import exclusive
-from tiered_kv.manager.inspection import Inspection
+from tiered_kv.manager.cost_model import CostModel, TierLink
+from tiered_kv.manager.invariants import check_ownership
 from tiered_kv.manager.lower_tiers import LowerTiers
-from tiered_kv.manager.manager_state import Held
-from tiered_kv.manager.metrics import TierCounters
+from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
-from tiered_kv.manager.outcomes import Admission, Decision, Preemption, Resumption
+from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
 from tiered_kv.manager.preempt_bounds import PreemptBounds
 from tiered_kv.manager.pricing import Quote, checked_cost_model, price
-from tiered_kv.manager.settling import Settling
 from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, Residency
-from tiered_kv.manager.swap import Swapper
-from tiered_kv.manager.tier_attach import TierAttach
+from tiered_kv.manager.swap import SwappedKV, Swapper
 from tiered_kv.manager.transfers import Transfer, Transfers
-from tiered_kv.manager.write_through import WriteThrough
 from tiered_kv.storage.spec import KVSpec
+from tiered_kv.tiers.chain import TierChain
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.store import RequestContext
 from tiered_kv.transfer.engine import CopyEngine
-from tiered_kv.transfer.plan import CPU, GPU
+from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
 
 OFFLOAD_POLICIES = ("none", "write_through", "on_evict")
 _GPU = Residency.GPU  # read per call of allocate: a module constant is much cheaper than the enum's attribute
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def exclusive(method: F) -> F:
+    """Guard a public method: a second thread entering while another is inside raises ``ConcurrentUseError``.
+
+    The manager is driven by one scheduler, as in vLLM; copy engines finish
+    handles on their own threads but never call it.  Two threads interleaving
+    calls would corrupt its books silently, so the entry is refused instead of
+    serialised.  The lock is re-entrant: the owning thread may call back in
+    (an engine's ``submit`` may poll, a public method may call another).
+    """
+
+    @functools.wraps(method)
+    def guarded(self: TierManager, *args: Any, **kwargs: Any) -> Any:
+        lock = self._lock
+        if not lock.acquire(False):
+            raise ConcurrentUseError(
+                f"{type(self).__name__}.{method.__name__} was called while another thread is inside it; "
+                f"a {type(self).__name__} is single-threaded: drive it from one thread at a time"
+            )
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            lock.release()
+
+    return guarded  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class Held:
+    """What the manager holds for one request."""
+
+    request: Request
+    residency: Residency
+    plan_id: int | None = None
+    swapped: SwappedKV | None = None  # the pinned CPU copy while swapped out or swapping in
+    num_stored_blocks: int = 0  # write-through progress (prompt blocks)
+    layered: bool = False  # a layer-wise swap-in: computing while its KV lands layer by layer
+    num_hit_tokens: int = 0  # while LOADING: its prefix found on the GPU at admission (computed already)
 
 
 def _check_engine_tiers(engine: CopyEngine, num_gpu_blocks: object, num_cpu_blocks: int) -> None:
@@ -88,7 +131,7 @@ def _check_engine_tiers(engine: CopyEngine, num_gpu_blocks: object, num_cpu_bloc
             )
 
 
-class TierManager(Inspection, WriteThrough, Settling, TierAttach):
+class TierManager:
     """A prefix-cached GPU pool and a CPU store under one manager.
 
     Args:
@@ -151,36 +194,45 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
                 f"copy_engine must have submit() and cancel(), got {checks.describe(copy_engine)}"
             )
         _check_engine_tiers(copy_engine, num_gpu_blocks, num_cpu_blocks)
-        self.gpu = KVCacheManager(
+        #: The GPU pool and every request's block table.
+        self.gpu: KVCacheManager = KVCacheManager(
             num_gpu_blocks,
             block_size,
             enable_caching=enable_caching,
             hash_fn=hash_fn,
             hash_seed=hash_seed,
         )
-        self.cost_model = checked_cost_model(kv_spec, cost_model, copy_engine, block_size)
+        self.cost_model: CostModel = checked_cost_model(kv_spec, cost_model, copy_engine, block_size)
         spec = kv_spec if kv_spec is not None else getattr(copy_engine, "spec", None)
         #: KV layers, for layer-wise copies (0: unknown, no kv_spec and an engine without one).
-        self.num_layers = spec.num_layers if isinstance(spec, KVSpec) else 0
-        self.block_size = block_size
-        self.caching = enable_caching
+        self.num_layers: int = spec.num_layers if isinstance(spec, KVSpec) else 0
+        self.block_size: int = block_size
+        self.caching: bool = enable_caching
+        #: The CPU tier (``None`` without one).
         self.store: CPUStore | None = CPUStore(num_cpu_blocks, store_policy) if num_cpu_blocks else None
-        self.offload = offload if self.store is not None else "none"
-        self.evict_window = evict_window
-        tr = self.transfers = Transfers(copy_engine, self.gpu.block_pool)
-        b = self._bounds = PreemptBounds(self.gpu, self.cost_model)  # told of every hold and release
+        self.offload: str = offload if self.store is not None else "none"
+        self.evict_window: int = evict_window
+        #: The copies in flight and the blocks each holds.
+        self.transfers: Transfers = Transfers(copy_engine, self.gpu.block_pool)
+        tr = self.transfers
+        self._bounds: PreemptBounds = PreemptBounds(self.gpu, self.cost_model)  # told of every hold and release
+        b = self._bounds
         tr.on_hold, tr.on_release = b.acquired, b.released
-        self._swap = Swapper(self.gpu, self.store, tr, enable_caching, b.free_table, b.acquired) if self.store else None
+        self._swap: Swapper | None = (
+            Swapper(self.gpu, self.store, tr, enable_caching, b.free_table, b.acquired) if self.store else None
+        )
         #: The CPU store's view of each admitted request that has not finished (vLLM 0.33's request scope).
         self._store_requests: dict[Hashable, RequestContext] = {}
-        self._off = Offloader(self.gpu, self.store, tr, b.free_table, self._store_requests) if self.store else None
-        self._counters = TierCounters()
+        self._off: Offloader | None = (
+            Offloader(self.gpu, self.store, tr, b.free_table, self._store_requests) if self.store else None
+        )
+        self._counters: TierCounters = TierCounters()  # read through the live ``counters`` property
         self.decision_log: BoundedLog[Decision] = BoundedLog(log_size)
-        self._lower: LowerTiers | None = None
+        self._lower: LowerTiers | None = None  # the tiers below the CPU store, once attached
         self._held: dict[Hashable, Held] = {}
-        self._tick = 0
-        self._gpu_evicted_seen = 0  # the GPU pool's eviction count at the last poll
-        self._lock = threading.RLock()
+        self._tick: int = 0
+        self._gpu_evicted_seen: int = 0  # the GPU pool's eviction count at the last poll
+        self._lock: threading.RLock = threading.RLock()  # the entry guard (see ``exclusive``)
 
     # ============================================================ admission
     @exclusive
@@ -240,6 +292,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         self._tick += 1
         return Admission(new, n_gpu, n_cpu, n_new, plan)
 
+    @exclusive
     def allocate(
         self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> list[KVCacheBlock] | None:
@@ -248,29 +301,20 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
         A request in a layer-wise swap-in may grow too (it computes while its KV
         lands); nothing of it is cached until the load has landed.
         """
-        # The per-token hot path of every step: the entry guard and the lookup are inlined.
-        lock = self._lock
-        if not lock.acquire(False):
-            raise ConcurrentUseError(
-                "TierManager.allocate was called while another thread is inside it; "
-                "a TierManager is single-threaded: drive it from one thread at a time"
-            )
+        # A hot path: the lookup of a request on the GPU is inlined; any other case goes through _get.
         try:
-            try:
-                h = self._held.get(request_id)
-            except TypeError:
-                h = None  # unhashable: _get names the problem
-            if h is None or h.residency is not _GPU:
-                h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
-                if not h.layered:
-                    h = self._get(request_id, Residency.GPU)  # names the state it is in
-                # Its restored blocks are being written: cache nothing until the load lands.
-                return self.gpu.allocate_slots(
-                    h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=True
-                )
-            return self.gpu.allocate_slots(h.request, num_new_tokens, 0, None, num_lookahead_tokens)
-        finally:
-            lock.release()
+            h = self._held.get(request_id)
+        except TypeError:
+            h = None  # unhashable: _get names the problem
+        if h is None or h.residency is not _GPU:
+            h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+            if not h.layered:
+                h = self._get(request_id, Residency.GPU)  # names the state it is in
+            # Its restored blocks are being written: cache nothing until the load lands.
+            return self.gpu.allocate_slots(
+                h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=True
+            )
+        return self.gpu.allocate_slots(h.request, num_new_tokens, 0, None, num_lookahead_tokens)
 
     @exclusive
     def quiet_tokens(self, request_id: Hashable) -> int:
@@ -289,7 +333,7 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
             return self.gpu.num_quiet_tokens(request_id, delay_cache_blocks=True)
         return self.gpu.num_quiet_tokens(request_id)
 
-    # =========================================================== preemption
+    # ============================================ preemption, resume, release
     @exclusive
     def quote(self, request_id: Hashable) -> Quote:
         """What preempting a request whose KV is on the GPU would cost, by swap and by recompute."""
@@ -418,3 +462,380 @@ class TierManager(Inspection, WriteThrough, Settling, TierAttach):
             assert self._swap is not None
             self._swap.release(h.swapped)
         del self._held[h.request.request_id]
+
+    def _get(self, request_id: Hashable, *allowed: Residency) -> Held:
+        """The held request, checked to be in one of ``allowed`` (any residency if none are given)."""
+        try:
+            h = self._held[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"request {request_id!r} is not held by this tier manager") from None
+        except TypeError:
+            raise InvalidArgumentError(f"request_id must be a hashable id, got {checks.describe(request_id)}") from None
+        if allowed and h.residency not in allowed:
+            want = " or ".join(r.value for r in allowed)
+            raise InvalidTransitionError(f"request {request_id!r} is {h.residency.value}, not {want}")
+        return h
+
+    # ======================================================== write-through
+    # With offload="write_through" every full prompt block is stored on the CPU once it is computed, so a
+    # later request with the same prefix loads it instead of computing it again; a layer-wise store
+    # overlaps the rest of the forward pass.
+    @exclusive
+    def on_tokens_computed(self, request_id: Hashable) -> TransferPlan | None:
+        """The step that computed the request's tokens finished: with write-through, store its new full prompt blocks.
+
+        Only steps that computed prompt tokens can complete such blocks, so a
+        scheduler may skip the call on decode steps.
+        """
+        h = self._get(request_id, Residency.GPU)
+        if self.offload != "write_through":
+            return None
+        req = h.request
+        upto = min(req.num_computed_tokens, req.num_prompt_tokens) // self.block_size
+        if upto <= h.num_stored_blocks:
+            return None
+        assert self._off is not None
+        t = self._off.write_through(req, h.num_stored_blocks, upto)
+        h.num_stored_blocks = upto
+        return t.plan if t is not None else None
+
+    @exclusive
+    def start_layerwise_store(self, request_id: Hashable, num_tokens_after_step: int) -> TransferPlan | None:
+        """Write-through, layer by layer: store the prompt blocks the coming step completes as it computes them.
+
+        Called before the step.  The plan is gated: layer ``i`` is copied
+        only after the driver opens it (``open_layer``) once compute has
+        written it, so the store overlaps the rest of the forward pass, as
+        LMCache and SGLang's HiCache store a prefill.  ``None`` when nothing
+        is to be stored, write-through is off, or the copy engine cannot gate.
+        The later ``on_tokens_computed`` does not store these blocks again.
+        """
+        h = self._get(request_id, Residency.GPU)
+        req = h.request
+        checks.count("num_tokens_after_step", num_tokens_after_step, req.num_computed_tokens)
+        if num_tokens_after_step > len(req.all_token_ids):
+            raise InvalidArgumentError(
+                f"num_tokens_after_step {num_tokens_after_step} exceeds request {request_id!r}'s "
+                f"{len(req.all_token_ids)} tokens"
+            )
+        if self.offload != "write_through" or not self.num_layers:
+            return None
+        if not callable(getattr(self.transfers.engine, "open_layer", None)):
+            return None
+        upto = min(num_tokens_after_step, req.num_prompt_tokens) // self.block_size
+        if upto <= h.num_stored_blocks:
+            return None
+        assert self._off is not None
+        t = self._off.write_through(req, h.num_stored_blocks, upto, gated_layers=self.num_layers)
+        h.num_stored_blocks = upto
+        return t.plan if t is not None else None
+
+    @exclusive
+    def open_all_layers(self, handle: TransferHandle) -> None:
+        """Open every layer of a gated store the driver has not opened (its step's compute is done)."""
+        checks.instance("handle", handle, TransferHandle)
+        for layer in range(handle.num_opened, handle.plan.num_layers):
+            self.transfers.engine.open_layer(handle, layer)  # type: ignore[attr-defined]
+
+    # ============================================== settling of final copies
+    # Copies complete on the engine's side; the manager learns of them only at poll (every final copy,
+    # in plan order), process_completion (one now) or cancel.  A landed copy hands its blocks on; a
+    # failed or cancelled one is rolled back so the KV stays where it was.
+    @exclusive
+    def poll(self) -> list[Completion]:
+        """Settle every copy whose handle is final, in plan order; return what settled.
+
+        With on-evict offload it then tops up the saves before eviction: once
+        per scheduler step is often enough.
+        """
+        done = [c for t in self.transfers.finished() if (c := self._settle(t)) is not None]
+        self._drain_events()
+        if self.offload == "on_evict":
+            assert self._off is not None
+            self._off.save_window(self.evict_window)
+        if self._lower is not None:
+            self._lower.tick()
+        return done
+
+    @exclusive
+    def process_completion(self, handle: TransferHandle) -> Completion:
+        """Settle one final handle now (instead of at the next ``poll``).
+
+        Raises:
+            PlanError: unknown, settled already, not final, not the plan this
+                manager emitted under its id, or a move between tiers below the
+                GPU that ``poll`` settles.  Nothing changes.
+        """
+        c = self._settle(self.transfers.take(checks.instance("handle", handle, TransferHandle)))
+        assert c is not None, "only moves of the tiers below the GPU settle silently"
+        return c
+
+    @exclusive
+    def cancel(self, request_id: Hashable) -> bool:
+        """Cancel the request's copy in flight; True only if it was cancelled, and then it is rolled back now.
+
+        A copy the engine finished first is left for ``poll`` to settle as what
+        it is, and the answer is False.
+        """
+        h = self._get(request_id)
+        if h.plan_id is None:
+            return False
+        self.transfers.cancel(h.plan_id)
+        t = self.transfers.get(h.plan_id)
+        assert t is not None
+        if not t.cancelled:
+            return False
+        self._settle(self.transfers.take(t.handle))
+        return True
+
+    @exclusive
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until some copy in flight is final (real engines); False if nothing is in flight."""
+        return self.transfers.wait(checks.timeout("timeout", timeout))
+
+    def _settle(self, t: Transfer) -> Completion | None:
+        if self._lower is not None and self._lower.owns(t):
+            return self._settle_staged(t)
+        kind, rid = t.plan.kind, t.plan.request_id
+        ok, n_tok = t.ok, 0
+        if kind is PlanKind.OFFLOAD:
+            self._off.settle_store(t)  # type: ignore[union-attr]
+        else:
+            h = self._held[rid]
+            h.plan_id, h.layered = None, False
+            swap = self._swap
+            if kind is PlanKind.ONBOARD:
+                loaded = self._off.settle_load(h.request, t)  # type: ignore[union-attr]
+                n_tok = h.num_hit_tokens + loaded if ok else 0
+                new = Residency.GPU if ok else None  # a failed load leaves nothing: recompute from scratch
+            elif kind is PlanKind.SWAP_OUT:
+                h.swapped = swap.settle_out(t)  # type: ignore[union-attr]
+                ok = h.swapped is not None  # landed but the KV is not whole on the CPU: rolled back
+                new, h.num_stored_blocks = (Residency.CPU if ok else Residency.GPU), 0
+            else:
+                ok = swap.settle_in(h.request, t)  # type: ignore[union-attr]
+                n_tok, new = (h.swapped.num_tokens, Residency.GPU) if ok else (0, Residency.CPU)  # type: ignore[union-attr]
+                h.swapped = None if ok else h.swapped
+            if new is None:
+                del self._held[rid]
+            else:
+                h.residency = new
+        n = t.plan.num_blocks
+        self._counters.count_copy(kind, n, n * self.cost_model.bytes_per_block, ok, t.cancelled)
+        res = self._held[rid].residency if rid in self._held else None
+        err = t.handle.error
+        why = None if err is None else f"{type(err).__name__}: {err}"
+        return Completion(t.plan.plan_id, rid, kind, ok, n_tok, res, t.handle.num_bytes, t.handle.elapsed_s, why)
+
+    def _settle_staged(self, t: Transfer) -> Completion | None:
+        """A move of the chain settled; the last staging move of a load starts its GPU copy, or ends the load."""
+        out = self._lower.settle(t)  # type: ignore[union-attr]
+        if out is None:
+            return None
+        rid, gpu_copy = out
+        h = self._held[rid]
+        if gpu_copy is not None:
+            h.plan_id = gpu_copy.plan.plan_id
+            return None
+        h.residency = Residency.GPU  # nothing landed: the request computes all of it, keeping its GPU hits
+        return Completion(t.plan.plan_id, rid, PlanKind.ONBOARD, True, h.num_hit_tokens, Residency.GPU)
+
+    def _drain_events(self) -> None:
+        """GPU evictions since the last poll join the counters here (the pool never calls up).
+
+        The pool counts them itself (``num_evicted_blocks``), so the manager keeps the
+        pool's events off: building a ``BlockStored`` per cached range and a
+        ``BlockRemoved`` per eviction only to count the latter cost more than the count.
+        """
+        n = self.gpu.block_pool.num_evicted_blocks
+        self._counters.gpu_blocks_evicted += n - self._gpu_evicted_seen
+        self._gpu_evicted_seen = n
+
+    # ======================================================== lower tiers
+    # What the tiers below the CPU store change (admission finds prefixes below the CPU and stages them
+    # up; blocks leaving the CPU go down) is in LowerTiers (lower_tiers.py); here is only the attach.
+    @exclusive
+    def attach_tiers(
+        self, chain: TierChain, engines: Mapping[str, CopyEngine], links: Mapping[str, TierLink] | None = None
+    ) -> None:
+        """Put tiers below the CPU store (disk, remote): prefixes load from them, blocks go down to them.
+
+        How: :mod:`~tiered_kv.manager.lower_tiers`.
+
+        ``chain``: a :class:`tiered_kv.tiers.TierChain` whose first tier is :attr:`store`;
+        ``engines``: medium -> its I/O engine; ``links``: medium -> :class:`~.cost_model.TierLink`
+        (default :data:`~.cost_model.DEFAULT_TIER_LINKS`).  Raises :class:`InvalidArgumentError`
+        (see :func:`~.tier_checks.check_tiers`) or :class:`InvalidTransitionError`; nothing changes then.
+        """
+        if self._lower is not None:
+            raise InvalidTransitionError("tiers below the CPU are attached already")
+        if self.store is None or self._off is None or not self.caching:
+            raise InvalidArgumentError("tiers below the CPU need a CPU tier (num_cpu_blocks > 0) and prefix caching")
+        self._lower = LowerTiers(
+            chain, engines, links, self.store, self.transfers, self._off, self.cost_model, self.decision_log.capacity
+        )
+
+    @property
+    def load_log(self) -> BoundedLog[LoadDecision]:
+        """Why admission loaded (or recomputed) what it found below the CPU, one entry per such admission.
+
+        The latest ``log_size`` entries (the manager's argument); ``total`` counts them all.
+        """
+        return self._lower.decisions if self._lower is not None else BoundedLog(self.decision_log.capacity)
+
+    # ============================================================ queries (nothing here changes state)
+    @exclusive
+    def residency(self, request_id: Hashable) -> Residency:
+        """Where the request's KV is (raises for a request the manager holds nothing for)."""
+        return self._get(request_id).residency
+
+    @exclusive
+    def holds(self, request_id: Hashable) -> bool:
+        """Whether the manager holds anything for the request."""
+        return checks.hashable("request_id", request_id) in self._held
+
+    @exclusive
+    def requests(self) -> list[Hashable]:
+        """Requests the manager holds KV for, in the order it took them."""
+        return list(self._held)
+
+    @exclusive
+    def gpu_block_ids(self, request_id: Hashable) -> list[int]:
+        """The request's GPU block table (append-only while it lives on the GPU)."""
+        return self.gpu.get_block_ids(self._get(request_id).request.request_id)
+
+    @exclusive
+    def gpu_table_length(self, request_id: Hashable) -> int:
+        """How many blocks the request's GPU block table holds (``len(gpu_block_ids(...))`` without the list).
+
+        One request's table, not the pool (the constructor's ``num_gpu_blocks``).
+        """
+        return len(self.gpu.get_blocks(self._get(request_id).request.request_id))
+
+    @exclusive
+    def cpu_block_ids(self, request_id: Hashable) -> list[int]:
+        """The CPU slots of a swapped request's KV, in block order (fixed while it is swapped)."""
+        s = self._get(request_id).swapped
+        return list(s.spec.block_ids) if s is not None else []
+
+    @exclusive
+    def num_free_gpu_blocks(self) -> int:
+        return self.gpu.block_pool.get_num_free_blocks()
+
+    @exclusive
+    def blocks_short(self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0) -> int:
+        """GPU blocks ``allocate`` would lack right now for these tokens (0 if it fits)."""
+        h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+        req = (h if h.layered else self._get(request_id, Residency.GPU)).request
+        need = self.gpu.num_blocks_to_allocate(req, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
+        return max(need - self.gpu.block_pool.get_num_free_blocks(), 0)
+
+    @exclusive
+    def blocks_to_resume(self, request_id: Hashable, num_new_tokens: int = 0) -> int:
+        """Free GPU blocks that ``resume`` and then ``allocate(num_new_tokens)`` of a swapped request would take now.
+
+        Its blocks still cached on the GPU count only if no one holds them (a
+        free cached block leaves the free queue when it is hit again); the rest
+        are new blocks.  A scheduler resumes a request only when this fits, as
+        vLLM resumes one only with room for the tokens it computes next, so a
+        resumed request is not left holding its KV unable to take one step.
+        """
+        h = self._get(request_id, Residency.CPU)
+        checks.count("num_new_tokens", num_new_tokens)
+        assert self._swap is not None and h.swapped is not None
+        hits = self._swap.gpu_hits(h.request, h.swapped)
+        total = -(-(h.swapped.num_tokens + num_new_tokens) // self.block_size)
+        return total - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
+
+    @exclusive
+    def blocks_freed_on_completion(self) -> int:
+        """GPU blocks that copies in flight will free when they settle (swap-outs, saves before eviction).
+
+        A scheduler that cannot allocate counts these before it preempts anyone:
+        waiting for a copy is cheaper than a preemption.
+        """
+        return self.transfers.blocks_freed_on_completion(self.gpu)
+
+    @exclusive
+    def plans_in_flight(self) -> list[TransferPlan]:
+        return [t.plan for t in self.transfers]
+
+    @exclusive
+    def handle(self, plan_id: int) -> TransferHandle | None:
+        t = self.transfers.get(checks.count("plan_id", plan_id))
+        return t.handle if t is not None else None
+
+    @exclusive
+    def preemption_bounds(
+        self, request_ids: Sequence[Hashable], mode: str = "auto", lookups: bool = True
+    ) -> list[float]:
+        """Cheap lower bounds of the cost-aware key of requests on the GPU, for pruning a ranking.
+
+        For each request, a value never above ``q.cost(mode) / q.blocks_freed``
+        of its :meth:`quote` ``q`` now (``inf`` where it frees nothing), from
+        counts kept as tables change and a few lookups instead of a scan of its
+        table (see :mod:`~tiered_kv.manager.preempt_bounds`).  ``lookups``:
+        look up a few of each request's latest blocks in the CPU tier (a
+        tighter bound, for a little more).  Raises for a request that is not
+        on the GPU.
+        """
+        checks.choice("mode", mode, MODES)
+        checks.flag("lookups", lookups)
+        if request_ids.__class__ is not list and request_ids.__class__ is not tuple:
+            raise InvalidArgumentError(f"request_ids must be a list or tuple, got {checks.describe(request_ids)}")
+        gpu = Residency.GPU
+        try:
+            held = list(map(self._held.get, request_ids))
+        except TypeError:
+            held = [None]  # an unhashable id: _get names it
+        if any(h is None or h.residency is not gpu for h in held):
+            held = [self._get(rid, gpu) for rid in request_ids]  # raises, naming the first not on the GPU
+        return self._bounds.lower_bounds([h.request for h in held], mode, self._swap, lookups)  # type: ignore[union-attr]
+
+    @exclusive
+    def cpu_room(self) -> int:
+        """CPU store blocks a store could take now: free ones plus unpinned cached ones it may evict."""
+        return self.store.num_free + self.store.num_evictable if self.store is not None else 0
+
+    @property
+    def counters(self) -> TierCounters:
+        """The manager's monotonic counters, live: every field reads what has happened so far.
+
+        Most are counted as things happen; the two whose owner is elsewhere are
+        read from it here (``plans_submitted`` from the copies in flight,
+        ``cpu_blocks_evicted`` from the CPU store's statistics), so no field
+        waits for a :meth:`metrics` snapshot.  The object is the manager's own:
+        take :meth:`metrics` (or ``counters.copy()``) for values that stay put.
+        """
+        c = self._counters
+        c.plans_submitted = self.transfers.submitted
+        if self.store is not None:
+            c.cpu_blocks_evicted = self.store.stats.evictions
+        return c
+
+    @exclusive
+    def metrics(self) -> MetricsSnapshot:
+        """Counters (evictions as of the last ``poll``) and the gauges of this instant."""
+        residencies = [h.residency for h in self._held.values()]
+        t, low, pool = self.transfers, self._lower, self.gpu.block_pool
+        lower = (low.counters, low.lost_blocks) if low is not None else ({}, 0)
+        return snapshot(self.counters, t.submitted, len(t), pool, self.store, residencies, *lower)
+
+    @exclusive
+    def check_invariants(self) -> None:
+        """Assert ownership: every GPU ref is a table entry or a copy's hold; every store pin a swap's or a load's.
+
+        With tiers below the CPU: also every store's invariants, and that every
+        move of the chain in flight pins its source and keeps its destination pending.
+        Also that the per-request counts behind :meth:`preemption_bounds` are
+        what a fresh scan of each table finds, and that no request on the GPU
+        has its partial tail's key in the CPU store (the bounds assume it).
+        """
+        swapped = {rid: h.swapped.keys if h.swapped is not None else None for rid, h in self._held.items()}
+        low = self._lower
+        check_ownership(self.gpu, self.store, self.transfers, swapped, low.cpu_pins() if low is not None else None)
+        if low is not None:
+            low.check_invariants()
+        self._bounds.check()
+        if self._swap is not None:
+            self._swap.check_tails(h.request for h in self._held.values() if h.residency is Residency.GPU)

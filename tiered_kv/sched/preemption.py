@@ -100,7 +100,7 @@ class Preempting:
         else:
             order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
         tm = self.tm
-        running, num_blocks, quote, bounds = S.RUNNING, tm.num_gpu_blocks, tm.quote, tm.preemption_bounds
+        running, num_blocks, quote, bounds = S.RUNNING, tm.gpu_table_length, tm.quote, tm.preemption_bounds
         return [
             Candidate(rid, rank, num_blocks(rid), r.num_computed_tokens, r.num_prompt_tokens, quote, bounds)
             for rank, r in enumerate(order)
