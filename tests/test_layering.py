@@ -30,6 +30,7 @@ LAYER = {
     "demo": 5,
     "bench": 5,
     "cli": 6,
+    "integrations": 6,  # adapters into other engines (vLLM): they use the layers below; nothing imports them
 }
 ALLOWED_SIDEWAYS = {
     ("transfer", "storage"),
@@ -95,6 +96,7 @@ def test_the_tier_chain_and_the_stores_import_no_third_party_packages():
     """Only the I/O engines touch tensors (torch) and only the Redis modules the redis client."""
     root = pathlib.Path(tiered_kv.__file__).parent / "tiers"
     names = ("chain", "namespace", "block_format", "keyed_store", "io_handle", "disk_store", "redis_health")
+    names += ("chunk_buffer",)
     names += ("store", "cpu_store", "request_access", *(f"policies/{p}" for p in ("base", "lru", "arc", "factory")))
     for path in (root / f"{n}.py" for n in names):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -104,3 +106,29 @@ def test_the_tier_chain_and_the_stores_import_no_third_party_packages():
                 assert not mod.startswith(("tiered_kv.storage.kv_storage", "tiered_kv.tiers.io_engine")), (
                     f"{path} imports {mod}, which needs torch"
                 )
+
+
+def _imported_modules(path: pathlib.Path) -> list[str]:
+    mods = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            mods.append(node.module)
+        elif isinstance(node, ast.Import):
+            mods += [a.name for a in node.names]
+    return mods
+
+
+def test_nothing_imports_the_integrations_and_only_they_import_vllm():
+    """The vLLM adapters are an optional extra: the package installs and runs without vLLM, so no module
+    outside ``tiered_kv/integrations`` imports them, and none imports vLLM itself."""
+    root = pathlib.Path(tiered_kv.__file__).parent
+    bad = []
+    for path in root.rglob("*.py"):
+        if package_of(path, root) == "integrations":
+            continue
+        for mod in _imported_modules(path):
+            if mod.startswith("tiered_kv.integrations") or mod.split(".")[0] == "vllm":
+                bad.append(f"{path.relative_to(root)} imports {mod}")
+    assert bad == []
+    adapters = sorted(p.name for p in (root / "integrations" / "vllm").glob("*.py"))
+    assert {"disk_tier.py", "redis_tier.py", "store_tier.py", "spec.py", "manager.py"} <= set(adapters)

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Any
 
 from tiered_kv import checks
-from tiered_kv.errors import StorageError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tiers.block_format import MAX_HEADER_BYTES, BlockHeader, FormatError, payload_crc
+from tiered_kv.tiers.chunk_buffer import ChunkBuffer
 from tiered_kv.tiers.disk_store import DiskStore
-from tiered_kv.tiers.io_engine import BlockIOEngine, FaultHook, Job, unique_suffix
+from tiered_kv.tiers.io_engine import BlockIOEngine, FaultHook, Job, check_geometry, unique_suffix
 from tiered_kv.tiers.io_handle import BlockOutcome
 
 FSYNC_POLICIES = ("none", "data", "full")
@@ -75,7 +76,7 @@ class DiskIO(BlockIOEngine):
     """The I/O engine of a :class:`DiskStore`.
 
     Args:
-        host: The CPU tier's storage.
+        host: The CPU tier's storage, or a raw buffer of chunks (see :class:`BlockIOEngine`).
         store: The disk store (paths, namespace, block size).
         fsync: ``"none"``, ``"data"`` or ``"full"`` (see the module docstring).
         load_workers, store_workers, batch_blocks, fault_hook: As :class:`BlockIOEngine`.
@@ -86,7 +87,7 @@ class DiskIO(BlockIOEngine):
 
     def __init__(
         self,
-        host: KVStorage,
+        host: KVStorage | ChunkBuffer | memoryview | Any,
         store: DiskStore,
         fsync: str = "none",
         load_workers: int = 4,
@@ -96,8 +97,7 @@ class DiskIO(BlockIOEngine):
     ) -> None:
         checks.instance("store", store, DiskStore)
         self.fsync = checks.choice("fsync", fsync, FSYNC_POLICIES)
-        if getattr(host, "spec", None) != store.namespace.spec:
-            raise StorageError(f"the CPU tier's KV spec {getattr(host, 'spec', host)} is not the disk store's")
+        check_geometry(host, store.namespace, "disk")
         super().__init__(host, store, load_workers, store_workers, batch_blocks, fault_hook)
         self._disk = store
         self._ns = store.namespace.digest

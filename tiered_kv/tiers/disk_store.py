@@ -111,7 +111,7 @@ class DiskStore(KeyedStore):
         checks.instance("namespace", namespace, KVNamespace)
         checks.count("capacity_bytes", capacity_bytes, 1)
         self.namespace = namespace
-        self.block_bytes = namespace.spec.bytes_per_block
+        self.block_bytes = namespace.block_bytes
         self.slot_bytes = -(-(MAX_HEADER_BYTES + self.block_bytes) // ALLOCATION_BYTES) * ALLOCATION_BYTES
         if capacity_bytes < self.slot_bytes:
             raise InvalidArgumentError(

@@ -18,6 +18,13 @@ wholly failed still loses nothing, it only wastes the blocks that did land.
 
 Loads and stores run on separate pools, so a load a request waits for is
 never queued behind a long write-back.
+
+The staging area is either the CPU tier's :class:`KVStorage` (tiered_kv's own
+stack) or a raw buffer of chunk bytes, a memoryview or a CPU tensor whose
+rows are the chunks (:class:`~tiered_kv.tiers.chunk_buffer.ChunkBuffer`: a
+host such as vLLM's CPU offloading tier that owns its memory).  Either way a
+plan's CPU side names rows of it and the medium stores the same framed,
+checksummed blocks.
 """
 
 from __future__ import annotations
@@ -28,13 +35,16 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from tiered_kv import checks
-from tiered_kv.errors import BlockStateError, PlanError, TransferError
+from tiered_kv.errors import BlockStateError, PlanError, StorageError, TransferError
 from tiered_kv.storage.kv_storage import KVStorage
+from tiered_kv.tiers.chunk_buffer import ChunkBuffer
 from tiered_kv.tiers.host_blocks import HostBlocks
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
+from tiered_kv.tiers.namespace import KVNamespace
 from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.plan import TransferPlan, TransferStatus
 
@@ -62,11 +72,51 @@ class IOStats:
     outcomes: dict[str, int] = field(default_factory=dict)
 
 
+def staging_area(host: Any) -> HostBlocks | ChunkBuffer:
+    """The byte views an engine stages through: a CPU :class:`KVStorage`'s blocks, or a raw buffer's rows.
+
+    Raises:
+        StorageError: ``host`` is a storage not in CPU memory, or a buffer a :class:`ChunkBuffer` refuses.
+    """
+    if isinstance(host, KVStorage):
+        return HostBlocks(host)
+    if isinstance(host, ChunkBuffer):
+        return host
+    return ChunkBuffer(host)
+
+
+def host_block_bytes(host: Any) -> int:
+    """Bytes per block (or chunk) of a staging area, as the engine would see it; for the engines' geometry checks."""
+    return host.spec.bytes_per_block if isinstance(host, KVStorage) else staging_area(host).block_bytes
+
+
+def check_geometry(host: Any, namespace: KVNamespace, what: str) -> None:
+    """Refuse a staging area whose blocks the store's namespace does not describe.
+
+    A :class:`KVStorage` must have the namespace's very :class:`KVSpec`; a raw buffer,
+    whose layout is opaque, must have the namespace's bytes per block.
+
+    Raises:
+        StorageError: they differ (nothing is built).
+    """
+    if isinstance(host, KVStorage):
+        if host.spec != namespace.spec:
+            raise StorageError(f"the CPU tier's KV spec {host.spec} is not the {what} store's")
+        return
+    chunk = host_block_bytes(host)
+    if chunk != namespace.block_bytes:
+        raise StorageError(
+            f"the staging buffer's chunks are {chunk} bytes, the {what} store's namespace says {namespace.block_bytes}"
+        )
+
+
 class BlockIOEngine(abc.ABC):
-    """Executes plans between a CPU :class:`KVStorage` and a :class:`KeyedStore`'s medium.
+    """Executes plans between the CPU tier's memory and a :class:`KeyedStore`'s medium.
 
     Args:
-        host: The CPU tier's storage (the staging area).
+        host: The staging area: the CPU tier's :class:`KVStorage`, or a raw buffer of
+            chunk bytes (a memoryview, a CPU tensor or a :class:`ChunkBuffer`; row ``i``
+            is CPU slot ``i``).
         store: The store whose medium the engine reads and writes.
         load_workers: Threads for loads.
         store_workers: Threads for stores.
@@ -76,7 +126,7 @@ class BlockIOEngine(abc.ABC):
 
     def __init__(
         self,
-        host: KVStorage,
+        host: KVStorage | ChunkBuffer | memoryview | Any,
         store: KeyedStore,
         load_workers: int = 4,
         store_workers: int = 2,
@@ -89,7 +139,8 @@ class BlockIOEngine(abc.ABC):
         checks.count("batch_blocks", batch_blocks, 1)
         if fault_hook is not None and not callable(fault_hook):
             raise PlanError(f"fault_hook must be callable, got {checks.describe(fault_hook)}")
-        self.host = HostBlocks(host)
+        self.host = staging_area(host)
+        self._host_medium = host.medium if isinstance(host, KVStorage) else self.host.medium
         self.store = store
         self.batch_blocks = batch_blocks
         self.fault_hook = fault_hook
@@ -120,7 +171,7 @@ class BlockIOEngine(abc.ABC):
             raise PlanError(f"submit() takes a TransferPlan, got {checks.describe(plan)}")
         if self._closed:
             raise PlanError(f"the {self.medium} I/O engine is closed")
-        host_medium = self.host.storage.medium
+        host_medium = self._host_medium
         if (plan.src_medium, plan.dst_medium) == (host_medium, self.medium):
             op, host_ids, slots = "store", plan.src_block_ids, plan.dst_block_ids
         elif (plan.src_medium, plan.dst_medium) == (self.medium, host_medium):

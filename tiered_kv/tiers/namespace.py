@@ -12,6 +12,11 @@ The layout of the CPU tensor is *not* part of the namespace: a stored block is
 always written in the canonical segment order (layer 0 K, layer 0 V, layer 1 K,
 ...), which is what a block-contiguous block already is, and a layer-first tier
 gathers its segments into that order.
+
+A host that is not tiered_kv (vLLM's CPU offloading tier) hands the tiers
+opaque chunks instead of blocks of a :class:`KVSpec`; its namespace takes a
+:class:`ChunkGeometry` (bytes per chunk and a tag naming the host's layout),
+and only a host that writes the same layout tag reads those chunks back.
 """
 
 from __future__ import annotations
@@ -32,18 +37,45 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkGeometry:
+    """What tiered_kv knows of a chunk it did not lay out: its size and the name of its layout.
+
+    Attributes:
+        bytes_per_chunk: Bytes of one chunk (the payload of one stored block).
+        layout: A tag for how the host arranged the bytes (model geometry, dtype, layer order,
+            tokens per chunk); two hosts share chunks only if their tags are equal.
+    """
+
+    bytes_per_chunk: int
+    layout: str
+
+    def __post_init__(self) -> None:
+        checks.count("ChunkGeometry.bytes_per_chunk", self.bytes_per_chunk, 1)
+        if self.layout.__class__ is not str or not self.layout:
+            raise InvalidArgumentError(
+                f"ChunkGeometry.layout must be a non-empty str, got {checks.describe(self.layout)}"
+            )
+
+    @property
+    def bytes_per_block(self) -> int:
+        """The same as :attr:`bytes_per_chunk` (a stored block is one chunk)."""
+        return self.bytes_per_chunk
+
+
+@dataclass(frozen=True, slots=True)
 class KVNamespace:
     """The compatibility class of stored KV blocks.
 
     Attributes:
         model: The model's name or, better, a digest of its weights and revision.
-        spec: The KV geometry and dtype (layers, KV heads, head dim, block size).
+        spec: The KV geometry and dtype (layers, KV heads, head dim, block size), or a
+            :class:`ChunkGeometry` for chunks whose layout a foreign host owns.
         hash_scheme: The block-hash function and its version, with anything else that
             changes what a key means (for example ``"sha256/v1/seed=0"``).
     """
 
     model: str
-    spec: KVSpec
+    spec: KVSpec | ChunkGeometry
     hash_scheme: str
 
     def __post_init__(self) -> None:
@@ -51,12 +83,19 @@ class KVNamespace:
             value = getattr(self, name)
             if value.__class__ is not str or not value:
                 raise InvalidArgumentError(f"KVNamespace.{name} must be a non-empty str, got {checks.describe(value)}")
-        checks.instance("KVNamespace.spec", self.spec, KVSpec)
+        checks.instance("KVNamespace.spec", self.spec, (KVSpec, ChunkGeometry))
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one stored block's payload."""
+        return self.spec.bytes_per_block
 
     @property
     def text(self) -> str:
         """The full description the digest is taken of (stable across releases: changing it orphans stored KV)."""
         s = self.spec
+        if isinstance(s, ChunkGeometry):
+            return f"model={self.model};chunk_bytes={s.bytes_per_chunk};layout={s.layout};hash={self.hash_scheme}"
         return (
             f"model={self.model};layers={s.num_layers};kv_heads={s.num_kv_heads};head_dim={s.head_dim};"
             f"block_size={s.block_size};dtype={s.dtype};hash={self.hash_scheme}"

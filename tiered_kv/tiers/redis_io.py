@@ -21,12 +21,13 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from typing import Any
 
 from tiered_kv import checks
-from tiered_kv.errors import StorageError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tiers.block_format import BlockHeader, FormatError, payload_crc
-from tiered_kv.tiers.io_engine import BlockIOEngine, FaultHook, Job
+from tiered_kv.tiers.chunk_buffer import ChunkBuffer
+from tiered_kv.tiers.io_engine import BlockIOEngine, FaultHook, Job, check_geometry
 from tiered_kv.tiers.io_handle import BlockOutcome
 from tiered_kv.tiers.redis_store import RedisStore
 
@@ -35,7 +36,7 @@ class RedisIO(BlockIOEngine):
     """The I/O engine of a :class:`RedisStore`.
 
     Args:
-        host: The CPU tier's storage.
+        host: The CPU tier's storage, or a raw buffer of chunks (see :class:`BlockIOEngine`).
         store: The remote store (client, key names, TTL, breaker).
         load_workers, store_workers, batch_blocks, fault_hook: As :class:`BlockIOEngine`;
             a batch is one pipeline.  The fault hook runs for each block before its
@@ -44,7 +45,7 @@ class RedisIO(BlockIOEngine):
 
     def __init__(
         self,
-        host: KVStorage,
+        host: KVStorage | ChunkBuffer | memoryview | Any,
         store: RedisStore,
         load_workers: int = 4,
         store_workers: int = 2,
@@ -52,8 +53,7 @@ class RedisIO(BlockIOEngine):
         fault_hook: FaultHook | None = None,
     ) -> None:
         checks.instance("store", store, RedisStore)
-        if getattr(host, "spec", None) != store.namespace.spec:
-            raise StorageError(f"the CPU tier's KV spec {getattr(host, 'spec', host)} is not the remote store's")
+        check_geometry(host, store.namespace, "remote")
         super().__init__(host, store, load_workers, store_workers, batch_blocks, fault_hook)
         self._remote = store
         self._client = store.client
