@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-blocks", type=int, default=3500)
     ap.add_argument("--cpu-blocks", type=int, default=12000)
     ap.add_argument("--hash", default="sha256", choices=["sha256", "fast", "xxh3_128"])
-    ap.add_argument("--offload", default="write_through", choices=["none", "write_through", "on_evict"])
+    ap.add_argument("--offload", default="write_through", choices=["none", "write_through", "write_back"])
     ap.add_argument("--policies", default="last_admitted,largest,prefill_aware,cost_aware", help="victim policies")
     ap.add_argument("--repeats", type=int, default=3, help="runs per policy; the fastest is reported")
     ap.add_argument("--json", type=Path)

@@ -186,7 +186,7 @@ class SlowDeviceToHost(CpuCopyEngine):
 
 
 @pytest.mark.parametrize("window", [1, 4, 64])
-def test_on_evict_offload_under_a_slow_copy_engine_serves_exact_tokens(window):
+def test_write_back_offload_under_a_slow_copy_engine_serves_exact_tokens(window):
     """The wrong-KV scenario: a prefix saved on eviction by a slow copy, evicted, then onboarded by a later request."""
     rng = random.Random(11)
     prefix = [rng.randrange(512) for _ in range(24)]

@@ -51,7 +51,7 @@ def draw_setup(seed: int) -> dict:
     """A random set-up; the same seed always gives the same one."""
     r = random.Random(seed * 7919 + 1)
     caching = r.random() < 0.75
-    offload = r.choice(["none", "write_through", "on_evict"]) if caching else "none"
+    offload = r.choice(["none", "write_through", "write_back"]) if caching else "none"
     cpu = r.choice([0, 6, 12, 30]) if offload == "none" else r.choice([6, 12, 30])
     disk = caching and cpu > 0 and offload != "none" and r.random() < 0.3
     bs = 4 if disk else r.choice([2, 4])
@@ -273,7 +273,7 @@ def test_the_random_set_ups_cover_what_they_claim():
     """The draws above reach every set-up they are meant to, and the runs really preempt and resume."""
     setups = [draw_setup(seed) for seed in range(6 * SEEDS_PER_CHUNK)]
     for field, values in (
-        ("offload", {"none", "write_through", "on_evict"}),
+        ("offload", {"none", "write_through", "write_back"}),
         ("caching", {True, False}),
         ("layerwise", {True, False}),
         ("disk", {True, False}),

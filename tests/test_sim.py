@@ -102,7 +102,7 @@ def busy_config(**changes):
             },
             {"name": "swap", "victim_policy": "largest", "mode": "swap", "offload": "none"},
             {"name": "auto-wt", "victim_policy": "cost_aware", "mode": "auto", "offload": "write_through"},
-            {"name": "auto-evict", "victim_policy": "prefill_aware", "mode": "auto", "offload": "on_evict"},
+            {"name": "auto-evict", "victim_policy": "prefill_aware", "mode": "auto", "offload": "write_back"},
         ],
     )
     base.update(changes)
@@ -175,6 +175,11 @@ BAD = [
         {"runs": [{"name": "x", "victim_policy": "lru"}]},
         r"runs\[0\]\.victim_policy: 'lru' was renamed: .*'last_admitted'",
     ),
+    (
+        {"runs": [{"name": "x", "offload": "on_evict"}]},
+        r"runs\[0\]\.offload: must be one of \['none', 'write_through', 'write_back'\]: 'on_evict' is now 'write_back'",
+    ),
+    ({"runs": [{"name": "x", "offload": "always"}]}, r"runs\[0\]\.offload: must be one of .*, got 'always'"),
     ({"scheduler__scheduling": "fcfs"}, r"scheduler\.scheduling: the scheduling order is now called policy"),
     (
         {"runs": [{"name": "x", "scheduling": "fcfs"}]},

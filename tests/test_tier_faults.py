@@ -180,7 +180,7 @@ def test_completing_twice_or_a_forged_plan_is_refused_and_changes_nothing():
     assert tm_snapshot(tm) == before
 
 
-def test_on_evict_never_hands_out_a_block_a_copy_still_reads():
+def test_write_back_offload_never_hands_out_a_block_a_copy_still_reads():
     """The wrong-KV bug: a growing request computed at once must not overwrite a block being saved.
 
     P's cached blocks reach the front of the GPU free queue and are saved to the
@@ -190,7 +190,7 @@ def test_on_evict_never_hands_out_a_block_a_copy_still_reads():
     KV under P's hashes, and a request that onboards P's prefix later reads
     P's tokens.
     """
-    w = World(gpu=7, offload="on_evict", evict_window=2)
+    w = World(gpu=7, offload="write_back", evict_window=2)
     tm, eng, kv = w.tm, w.eng, w.kv
     w.run("P", "AAAABBBBC")  # [1 2 3]
     tm.free("P")
@@ -233,7 +233,7 @@ def test_on_evict_never_hands_out_a_block_a_copy_still_reads():
 def test_a_request_computed_right_after_allocate_never_corrupts_the_cpu_tier():
     """Randomised on-evict churn, computing every successful allocation at once (the scheduler's way)."""
     rng = random.Random(7)
-    w = World(gpu=9, cpu=12, offload="on_evict", evict_window=3)
+    w = World(gpu=9, cpu=12, offload="write_back", evict_window=3)
     tm, eng, kv = w.tm, w.eng, w.kv
     live: dict[str, Request] = {}
     for step in range(400):

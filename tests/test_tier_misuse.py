@@ -212,6 +212,7 @@ def test_a_cost_model_for_another_kv_shape_is_refused():
         ({"block_size": -16}, "block_size must be a positive int"),
         ({"offload": None}, "offload must be one of"),
         ({"offload": "always"}, "offload must be one of"),
+        ({"offload": "on_evict"}, "offload must be one of .*'on_evict' is now 'write_back'"),
         ({"store_policy": "fifo"}, "policy"),
         ({"enable_caching": 0}, "enable_caching must be True or False"),
         ({"enable_caching": False, "offload": "write_through"}, "needs prefix caching"),

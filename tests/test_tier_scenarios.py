@@ -153,8 +153,8 @@ def test_write_through_sources_stay_held_until_the_copy_finishes():
     tm.check_invariants()
 
 
-def test_on_evict_saves_the_blocks_nearest_eviction_and_keeps_their_place():
-    tm, eng = make_tm(gpu=6, offload="on_evict", evict_window=3)
+def test_write_back_offload_saves_the_blocks_nearest_eviction_and_keeps_their_place():
+    tm, eng = make_tm(gpu=6, offload="write_back", evict_window=3)
     p = run(tm, "P", "AAAABBBBC")  # [1 2 3]
     tm.free("P")
     assert gq(tm) == ["3", "4", "5", "2*", "1*"]

@@ -41,7 +41,7 @@ class TierMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.tm is None)
     @rule(
-        offload=st.sampled_from(["none", "write_through", "on_evict", "no caching"]),
+        offload=st.sampled_from(["none", "write_through", "write_back", "no caching"]),
         store_policy=st.sampled_from(["lru", "arc"]),
         window=st.integers(1, 6),
     )

@@ -24,7 +24,6 @@ from tiered_kv.sim.config import RunSetup, load_config, setup
 from tiered_kv.sim.progress import PhaseHook
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.workload import SimRequest
-from tiered_kv.tiers.write_policy import RENAMED
 
 METRICS = ("throughput_rps", "transfer_s", "recompute_s")
 
@@ -47,7 +46,7 @@ def run_engine(st: RunSetup, workload: list[SimRequest], cal: Calibration) -> di
             layout=cal.layout,
             victim_policy=st.victim_policy,
             mode=st.mode,
-            offload=RENAMED.get(st.offload, st.offload),  # the simulator's config still says on_evict
+            offload=st.offload,
             max_num_batched_tokens=st.max_num_batched_tokens,
             max_num_seqs=st.max_num_seqs,
             chunked_prefill=st.chunked_prefill,

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from tiered_kv.obs.prometheus import MetricsServer
 
 
-MANAGER_OFFLOAD = {"write_back": "on_evict"}
 """The tier manager's own word for a write policy, where it still has one of its own."""
 
 
@@ -141,7 +140,7 @@ class Engine:
             self.copy,
             kv_spec=spec,
             cost_model=cm,
-            offload=MANAGER_OFFLOAD.get(cfg.offload, cfg.offload),
+            offload=cfg.offload,
             hash_fn=cfg.hash_fn,
             evict_window=cfg.evict_window,
         )

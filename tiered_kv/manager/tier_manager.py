@@ -54,10 +54,10 @@ from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.tiers.store import RequestContext
+from tiered_kv.tiers.write_policy import check_write_policy
 from tiered_kv.transfer.engine import CopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
 
-OFFLOAD_POLICIES = ("none", "write_through", "on_evict")
 _GPU = Residency.GPU  # read per call of allocate: a module constant is much cheaper than the enum's attribute
 
 
@@ -144,13 +144,14 @@ class TierManager:
         cost_model: Swap and recompute estimates; refused if built for another
             KV shape.  Default: one built from ``kv_spec``.
         offload: CPU prefix-tier policy: ``"none"``, ``"write_through"`` (full
-            prompt blocks stored once computed) or ``"on_evict"`` (cached GPU
-            blocks nearing eviction stored first; see :meth:`poll`).
+            prompt blocks stored once computed) or ``"write_back"`` (cached GPU
+            blocks nearing eviction stored first; see :meth:`poll`): the vocabulary of
+            :mod:`~tiered_kv.tiers.write_policy`, shared with the tiers below the CPU.
         store_policy: Eviction policy of the CPU store (``"lru"``, ``"arc"``).
         enable_caching: Prefix caching.  Off: nothing is hashed or cached; swaps
             still work, per request.  ``offload`` needs it.
         hash_fn / hash_seed: Block hashing (shared by both tiers).
-        evict_window: With ``offload="on_evict"``, how many blocks at the
+        evict_window: With ``offload="write_back"``, how many blocks at the
             eviction end of the GPU free queue are kept stored on the CPU.
         log_size: Entries :attr:`decision_log` and :attr:`load_log` keep: the
             latest ones, so a long run's memory does not grow with its
@@ -178,7 +179,7 @@ class TierManager:
         evict_window: int = 64,
         log_size: int | None = DEFAULT_LOG_SIZE,
     ) -> None:
-        checks.choice("offload", offload, OFFLOAD_POLICIES)
+        check_write_policy("offload", offload)
         if num_cpu_blocks.__class__ is not int or num_cpu_blocks < 0 or num_cpu_blocks == 1:
             raise InvalidArgumentError(
                 f"num_cpu_blocks must be 0 or an int >= 2, got {checks.describe(num_cpu_blocks)}"
@@ -550,7 +551,7 @@ class TierManager:
         """
         done = [c for t in self.transfers.finished() if (c := self._settle(t)) is not None]
         self._drain_events()
-        if self.offload == "on_evict":
+        if self.offload == "write_back":
             assert self._off is not None
             self._off.save_window(self.evict_window)
         if self._lower is not None:

@@ -25,6 +25,8 @@ from tiered_kv.sim.schema import (
     probability,
 )
 from tiered_kv.sim.tier_config import RUN_TIERS_SCHEMA
+from tiered_kv.tiers.write_policy import RENAMED as RENAMED_WRITE_POLICIES
+from tiered_kv.tiers.write_policy import WRITE_POLICIES
 
 
 def _run_policy(value: Any) -> str:
@@ -43,6 +45,14 @@ def _victim_policy(value: str) -> str | None:
     if value in RENAMED_VICTIM_POLICIES:
         return f"{value!r} was renamed: {renamed_victim_policy_hint(value)}"
     return f"must be one of {sorted(VICTIM_POLICIES)}, got {value!r}"
+
+
+def _offload(value: str) -> str | None:
+    if value in WRITE_POLICIES:
+        return None
+    if value in RENAMED_WRITE_POLICIES:
+        return f"must be one of {list(WRITE_POLICIES)}: {value!r} is now {RENAMED_WRITE_POLICIES[value]!r}"
+    return f"must be one of {list(WRITE_POLICIES)}, got {value!r}"
 
 
 def _scheduling(value: Any) -> str:
@@ -73,7 +83,7 @@ RUN_SCHEMA = {
     "policy": Retired(_run_policy),
     "scheduling": Retired(_scheduling),
     "mode": choice("auto", "swap", "recompute", "auto"),
-    "offload": choice("none", "none", "write_through", "on_evict"),
+    "offload": Field((str,), "none", None, (_offload,)),
     "cpu_kv_gib": num(None, non_negative, nullable=True),
     # The CPU tier in tokens of KV (wins over cpu_kv_gib): a size that means the same for every model.
     "cpu_kv_tokens": Field((int,), None, None, (non_negative,), nullable=True),

@@ -164,6 +164,6 @@ def resolve_tiers(
     if offload == "none":
         raise ConfigError(
             f"{key}: tiers below the CPU are fed by the CPU prefix tier: the run needs offload: write_through "
-            "or on_evict"
+            "or write_back"
         )
     return TierSetup(tuple(tiers))
