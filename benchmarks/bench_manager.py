@@ -54,7 +54,7 @@ class InstantCopyEngine:
 
     def submit(self, plan: TransferPlan) -> TransferHandle:
         h = TransferHandle(plan)
-        h._finish(TransferStatus.DONE)
+        h.finish(TransferStatus.DONE)
         return h
 
     def cancel(self, handle: TransferHandle) -> bool:

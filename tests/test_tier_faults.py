@@ -164,7 +164,7 @@ def test_completing_twice_or_a_forged_plan_is_refused_and_changes_nothing():
     (plan,) = tm.plans_in_flight()
     forged = TransferPlan(plan.plan_id, "GPU", "CPU", (1, 2), (1, 2), plan.kind, "A")
     fake = TransferHandle(forged)
-    fake._finish(fake.status.DONE)
+    fake.finish(fake.status.DONE)
     before = tm_snapshot(tm)
     with pytest.raises(PlanError, match="does not match the plan emitted for request 'A'"):
         tm.process_completion(fake)

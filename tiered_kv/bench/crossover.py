@@ -862,7 +862,7 @@ class _LinkBench:
         }
         if self.hardware is not None:
             hw = self.hardware
-            row["swap_profile_s"] = 2 * (nbytes / hw.pcie_bytes_per_s + copies * hw.per_copy_overhead_s)
+            row["swap_profile_s"] = 2 * (nbytes / hw.link.h2d_bytes_per_s + copies * hw.per_copy_overhead_s)
         return row
 
 

@@ -122,7 +122,7 @@ class Transfers:
                 raise PlanError(f"copy engine returned {handle!r} for plan {plan.plan_id}, not its handle")
         except Exception as exc:
             handle = TransferHandle(plan)
-            handle._finish(TransferStatus.FAILED, exc)
+            handle.finish(TransferStatus.FAILED, exc)
         t = Transfer(plan, handle, holds, in_place, payload, engine)
         self._live[plan.plan_id] = t
         self.submitted += 1

@@ -174,7 +174,7 @@ class SimLink:
         handle = TransferHandle(plan, num_bytes=nbytes)
         bw = self.bandwidth.get(direction, math.inf)
         if bw <= 0:
-            handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {direction} link is down"))
+            handle.finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {direction} link is down"))
             self.loop.log("transfer_failed", plan.plan_id)
             return handle
         copies = self.geometry.num_copies(plan.src_block_ids, plan.dst_block_ids)
@@ -267,9 +267,9 @@ class SimLink:
 
     def _finish_handle(self, job: CopyJob) -> None:
         if job.fail:
-            job.handle._finish(TransferStatus.FAILED, TransferError(f"plan {job.plan.plan_id}: injected failure"))
+            job.handle.finish(TransferStatus.FAILED, TransferError(f"plan {job.plan.plan_id}: injected failure"))
         else:
-            job.handle._finish(TransferStatus.DONE)
+            job.handle.finish(TransferStatus.DONE)
         job.handle.elapsed_s = self.loop.now - job.submitted  # simulated submit-to-finish time, not wall time
 
     # --------------------------------------------------------- projections

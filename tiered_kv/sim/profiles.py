@@ -202,11 +202,6 @@ class HardwareProfile:
     derived: tuple[str, ...] = ()  # "key = value (rule)" for every number derived rather than given
 
     @property
-    def pcie_bytes_per_s(self) -> float:
-        """One-way host-to-device bandwidth (kept for callers of the older profile shape)."""
-        return self.link.h2d_bytes_per_s
-
-    @property
     def per_copy_overhead_s(self) -> float:
         return self.link.per_copy_overhead_s
 

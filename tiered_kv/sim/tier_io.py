@@ -160,7 +160,7 @@ class SimTierIO:
     def finish(self, job: TierIOJob) -> None:
         """The job's end has come: every block landed."""
         job.handle.outcomes = [BlockOutcome.OK] * len(job.handle.keys)
-        job.handle._finish(TransferStatus.DONE)
+        job.handle.finish(TransferStatus.DONE)
         job.handle.elapsed_s = self.loop.now - job.submitted  # simulated, not wall time
         self.loop.log("tier_io_done", job.handle.plan.plan_id)
 

@@ -239,7 +239,7 @@ class BlockIOEngine(abc.ABC):
         if handle._cancel_requested:
             outcomes = [BlockOutcome.CANCELLED] * len(batch)
         else:
-            handle._start()
+            handle.mark_running()
             try:
                 outcomes = self._store_batch(batch) if op == "store" else self._load_batch(batch)
                 assert len(outcomes) == len(batch), "an I/O batch must report every block"
@@ -269,15 +269,15 @@ class BlockIOEngine(abc.ABC):
                 del self._live[handle.plan.plan_id]
             plan_id = handle.plan.plan_id
             if handle._cancel_requested:
-                handle._finish(TransferStatus.CANCELLED, TransferError(f"plan {plan_id}: cancelled"))
+                handle.finish(TransferStatus.CANCELLED, TransferError(f"plan {plan_id}: cancelled"))
             elif all(o.landed for o in handle.outcomes):
-                handle._finish(TransferStatus.DONE)
+                handle.finish(TransferStatus.DONE)
             else:
                 bad = sorted({o.value for o in handle.outcomes if not o.landed})
                 count = sum(1 for o in handle.outcomes if not o.landed)
                 cause = f" ({handle.error})" if handle.error is not None else ""
                 err = TransferError(f"plan {plan_id}: {count} of {len(handle.outcomes)} blocks failed: {bad}{cause}")
-                handle._finish(TransferStatus.FAILED, err)
+                handle.finish(TransferStatus.FAILED, err)
 
     def _fault(self, op: str, key: Key) -> None:
         if self.fault_hook is not None:

@@ -84,13 +84,13 @@ class ControlledCopyEngine:
                 "its source is not written yet, so it cannot be copied"
             )
         handle = self._take(plan_id)
-        handle._start()
+        handle.mark_running()
         for layer in range(handle.plan.num_layers):
             if not handle.layer_done(layer):
                 self._land_layer(handle, layer)
         if self.on_complete is not None:
             self.on_complete(handle.plan)
-        handle._finish(TransferStatus.DONE)
+        handle.finish(TransferStatus.DONE)
         return handle
 
     def complete_layer(self, plan_id: int, layer: int) -> TransferHandle:
@@ -105,7 +105,7 @@ class ControlledCopyEngine:
             raise PlanError(f"plan {plan_id} must wait for plan(s) {blocked} to finish first")
         if layer >= handle.num_opened:
             raise PlanError(f"plan {plan_id}: layer {layer} is not opened yet (its source is not written)")
-        handle._start()
+        handle.mark_running()
         self._land_layer(handle, layer)
         return handle
 
@@ -121,11 +121,11 @@ class ControlledCopyEngine:
     def _land_layer(self, handle: TransferHandle, layer: int) -> None:
         if self.on_complete_layer is not None:
             self.on_complete_layer(handle.plan, layer)
-        handle._finish_layer(layer)
+        handle.finish_layer(layer)
 
     def fail(self, plan_id: int, reason: str = "injected failure") -> TransferHandle:
         handle = self._take(plan_id)
-        handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan_id}: {reason}"))
+        handle.finish(TransferStatus.FAILED, TransferError(f"plan {plan_id}: {reason}"))
         return handle
 
     def cancel(self, handle: TransferHandle) -> bool:
@@ -142,7 +142,7 @@ class ControlledCopyEngine:
             return False
         self.pending.pop(handle.plan.plan_id)
         error = TransferError(f"plan {handle.plan.plan_id}: cancelled")
-        return handle._cancel_if_pending(error) or handle._finish(TransferStatus.CANCELLED, error)
+        return handle.cancel_if_pending(error) or handle.finish(TransferStatus.CANCELLED, error)
 
     def complete_all(self) -> list[TransferHandle]:
         """Complete every pending plan in submission order (gated plans with unopened layers stay pending)."""

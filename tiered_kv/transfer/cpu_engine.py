@@ -81,7 +81,7 @@ class CpuCopyEngine(StorageEngineBase):
         """
         if not isinstance(handle, TransferHandle):
             raise PlanError(f"cancel() takes a TransferHandle, got {type(handle).__name__}")
-        if handle._cancel_if_pending(TransferError(f"plan {handle.plan.plan_id}: cancelled")):
+        if handle.cancel_if_pending(TransferError(f"plan {handle.plan.plan_id}: cancelled")):
             self._forget(handle)
             return True
         with self._lock:
@@ -102,7 +102,7 @@ class CpuCopyEngine(StorageEngineBase):
         with self._lock:
             if id(handle) in self._cancelled and status is TransferStatus.DONE:
                 status, error = TransferStatus.CANCELLED, TransferError(f"plan {plan_id}: cancelled")
-            handle._finish(status, error)
+            handle.finish(status, error)
             if self._live.get(plan_id) is handle:
                 del self._live[plan_id]
             self._cancelled.discard(id(handle))
@@ -123,7 +123,7 @@ class CpuCopyEngine(StorageEngineBase):
                 other = self._live.get(w)
             if other is not None:
                 other.wait()
-        if not handle._start():
+        if not handle.mark_running():
             return  # cancelled while queued
         try:
             if plan.num_layers:
@@ -155,7 +155,7 @@ class CpuCopyEngine(StorageEngineBase):
                 for run in chunk:
                     self._record(prep, ci, run)
                     self.copy_run_layer(plan, run, layer)
-            handle._finish_layer(layer)
+            handle.finish_layer(layer)
         self._end(handle, TransferStatus.DONE)
 
     def close(self) -> None:

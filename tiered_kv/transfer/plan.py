@@ -137,8 +137,11 @@ FINAL = frozenset({TransferStatus.DONE, TransferStatus.FAILED, TransferStatus.CA
 class TransferHandle:
     """The caller's view of one submitted plan.
 
-    Engines finish a handle exactly once through :meth:`_finish`; waiting is on
-    a ``threading.Event``, so a worker thread may complete it.
+    Two sides use it.  The caller waits (:meth:`wait`, :meth:`result`) and
+    reads the status; the engine executing the plan, and only that engine,
+    drives it with :meth:`mark_running`, :meth:`finish_layer`,
+    :meth:`cancel_if_pending` and :meth:`finish`, which makes it final exactly
+    once.  Waiting is on a ``threading.Event``, so a worker thread may complete it.
 
     Attributes:
         plan: The plan being executed.
@@ -203,7 +206,7 @@ class TransferHandle:
         self._layers[layer].wait(timeout)
         return layer in self._landed
 
-    def _finish_layer(self, layer: int) -> None:
+    def finish_layer(self, layer: int) -> None:
         """Engines: layer ``layer`` landed (its bytes are all in the destination)."""
         with self._lock:
             if self.status in FINAL:
@@ -232,16 +235,16 @@ class TransferHandle:
         if not self.ok:
             raise TransferError(f"plan {self.plan.plan_id} {self.status.value}: {self.error}") from self.error
 
-    def _start(self) -> bool:
-        """Mark running; False if it was cancelled first."""
+    def mark_running(self) -> bool:
+        """Engines: mark running; False if it was cancelled first."""
         with self._lock:
             if self.status is not TransferStatus.PENDING:
                 return False
             self.status = TransferStatus.RUNNING
             return True
 
-    def _cancel_if_pending(self, error: BaseException) -> bool:
-        """Cancel atomically if no copy has started; a running plan must be stopped by its engine."""
+    def cancel_if_pending(self, error: BaseException) -> bool:
+        """Engines: cancel atomically if no copy has started; a running plan must be stopped by its engine."""
         with self._lock:
             if self.status is not TransferStatus.PENDING:
                 return False
@@ -251,8 +254,8 @@ class TransferHandle:
         self._event.set()
         return True
 
-    def _finish(self, status: TransferStatus, error: BaseException | None = None) -> bool:
-        """Make the handle final; returns False (and changes nothing) if it already was."""
+    def finish(self, status: TransferStatus, error: BaseException | None = None) -> bool:
+        """Engines: make the handle final; returns False (and changes nothing) if it already was."""
         assert status in FINAL, status
         with self._lock:
             if self.status in FINAL:

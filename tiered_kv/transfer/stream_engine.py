@@ -150,7 +150,7 @@ class StreamCopyEngine(StorageEngineBase):
             if issued:
                 self._fail_issue(handle, job, exc)
             else:
-                handle._finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
+                handle.finish(TransferStatus.FAILED, TransferError(f"plan {plan.plan_id}: {exc}"))
             return handle
         self._end_issue(handle, job)
         return handle
@@ -203,7 +203,7 @@ class StreamCopyEngine(StorageEngineBase):
 
     def _fail_issue(self, handle: EventTransferHandle, job: IssueJob, exc: BaseException) -> None:
         if not fail_after_issued(handle, self._api, job.stream, job.start, job.end, job.layer_events, exc):
-            handle._finish(TransferStatus.FAILED, TransferError(f"plan {handle.plan.plan_id}: {exc}"))
+            handle.finish(TransferStatus.FAILED, TransferError(f"plan {handle.plan.plan_id}: {exc}"))
 
     def make_compute_wait(self, handle: TransferHandle, stream: object | None = None, layer: int | None = None) -> None:
         """Order compute after the plan (or one layer of it) on the device; the host does not block.
@@ -239,7 +239,7 @@ class StreamCopyEngine(StorageEngineBase):
     # Gated plans ------------------------------------------------------------------------------
     def _hold(self, handle: EventTransferHandle, job: IssueJob) -> EventTransferHandle:
         """Keep a gated plan; nothing of it is issued until its first layer opens."""
-        handle._start()
+        handle.mark_running()
         self._gated[handle.plan.plan_id] = (handle, job)
         return handle
 
@@ -287,7 +287,7 @@ class StreamCopyEngine(StorageEngineBase):
         if entry is None or entry[0] is not handle or handle.num_opened:
             return False
         self._drop(handle)
-        handle._finish(TransferStatus.CANCELLED, TransferError(f"plan {handle.plan.plan_id}: cancelled"))
+        handle.finish(TransferStatus.CANCELLED, TransferError(f"plan {handle.plan.plan_id}: cancelled"))
         return True
 
     def _abandon_gated(self) -> None:
