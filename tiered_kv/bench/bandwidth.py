@@ -330,8 +330,7 @@ def _measure_group(
                 rows.append(_row(eng_name, ct.layout, s, pattern, direction, ct.nbytes, runs, peaks[direction]))
                 emit(_line(rows[-1]))
         finally:
-            if hasattr(engine, "close"):
-                engine.close()
+            engine.close()
     loop = PerBlockLoop(ct)
     for pattern, direction in itertools.product(("contiguous", "scattered"), ("D2H", "H2D")):
         if deadline.expired():

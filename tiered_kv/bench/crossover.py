@@ -158,8 +158,7 @@ class SwapRig:
         return spread([fn() for _ in range(self.repeats)])
 
     def close(self) -> None:
-        if hasattr(self.copy, "close"):
-            self.copy.close()
+        self.copy.close()
 
 
 def measure_lengths(
@@ -252,7 +251,6 @@ def fit_step_model(
     layout: str,
     device: str,
     repeats: int,
-    seed: int = 1,
     scale: float = 1.0,
     max_prompt: int = 400,
     progress: PhaseHook | None = None,
@@ -265,7 +263,7 @@ def fit_step_model(
     The fit is non-negative and weighted by relative error, so a millisecond
     decode step counts as much as a long prefill.
     """
-    rng = random.Random(seed)
+    rng = random.Random(1)
     steps: list[tuple] = []
     # Three runs without memory pressure, then one under swap churn with a write-through CPU
     # tier, so the fit also carries what preemption and copy threads cost a step.
@@ -384,11 +382,7 @@ def _fit_links(rows: list[dict[str, Any]], kv_bytes_per_token: int, block_size: 
 
 def _crossing(rows: list[dict[str, Any]]) -> tuple[int | None, str]:
     """The first length where the winner changes (``None`` if it never does) and the one-line summary."""
-    cross = None
-    for a, b in itertools.pairwise(rows):
-        if a["winner"] != b["winner"]:
-            cross = b["tokens"]
-            break
+    cross = next((b["tokens"] for a, b in itertools.pairwise(rows) if a["winner"] != b["winner"]), None)
     winners = {r["winner"] for r in rows}
     summary = (
         f"swap wins at every length measured ({rows[0]['tokens']}-{rows[-1]['tokens']} tokens)"
@@ -609,8 +603,7 @@ def _measure(
             save(doc)
         _measure_decode(run, decode_points, max((r["tokens"] for r in rows.rows), default=0), doc, stop, emit, save)
     finally:
-        if hasattr(engine, "close"):
-            engine.close()
+        engine.close()
         for t in tiers.values():
             t.close()
         if torch.cuda.is_available():
@@ -892,8 +885,7 @@ def profile_crossover(
     try:
         samples = _measure_link(bench, lengths, rows, emit, progress)
     finally:
-        if hasattr(engine, "close"):
-            engine.close()
+        engine.close()
         for t in tiers.values():
             t.close()
     link_fit = fit_link(samples)
@@ -953,8 +945,6 @@ def _measure_link(
     for k, length in enumerate(lengths, 1):
         row = bench.row(length)
         rows.add(row)
-        # One contiguous run per swap: its chunks grow with its bytes, so fitting them as runs
-        # would split the time between bandwidth and overhead arbitrarily.
         samples += [("D2H", row["bytes"], 1, row["swap_out_s"]), ("H2D", row["bytes"], 1, row["swap_in_s"])]
         so, si = row["swap_out"], row["swap_in"]
         emit(

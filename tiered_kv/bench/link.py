@@ -5,7 +5,7 @@ bytes with what is free (device memory for a GPU tier on CUDA, host memory for
 everything else) and refuses, with the numbers and the longest context that
 would fit, a measurement that cannot run.
 
-:func:`measure_swaps` times a request's swap-out (GPU tier to CPU tier) and
+:class:`SwapTimer` times a request's swap-out (GPU tier to CPU tier) and
 swap-in (back into the same blocks) through the real copy engine, from
 submission to completion as the host sees it: what a scheduler waiting on the
 copy would wait.  Each point is repeated and reported as a spread.
@@ -61,9 +61,7 @@ def tier_need(spec: KVSpec, max_tokens: int, gpu_on_device: bool, extra_bytes: i
     return TierNeed(b, b, gpu_on_device, extra_bytes if gpu_on_device else 0, 0 if gpu_on_device else extra_bytes)
 
 
-def check_tiers_fit(
-    spec: KVSpec, max_tokens: int, device: str, what: str, extra_bytes: int = 0, flag: str = "--max-tokens"
-) -> TierNeed:
+def check_tiers_fit(spec: KVSpec, max_tokens: int, device: str, what: str, extra_bytes: int = 0) -> TierNeed:
     """Raise :class:`ResourceLimitError` (with the numbers) unless the tiers for ``max_tokens`` fit here.
 
     Args:
@@ -72,7 +70,6 @@ def check_tiers_fit(
         device: Where the GPU tier goes (``"cuda"`` or ``"cpu"``).
         what: Names the measurement in the message.
         extra_bytes: Model weights and activations that share the GPU tier's memory.
-        flag: The flag that lowers the longest context.
     """
     on_device = torch.device(device).type == "cuda"
     need = tier_need(spec, max_tokens, on_device, extra_bytes)
@@ -105,7 +102,7 @@ def check_tiers_fit(
     if problems:
         fits = max(0, min(t for _, t in problems) - spec.block_size)
         hint = (
-            f"; the longest context that fits is about {fits} tokens ({flag} {fits})"
+            f"; the longest context that fits is about {fits} tokens (--max-tokens {fits})"
             if fits >= spec.block_size
             else "; nothing fits: free memory first"
         )
@@ -154,11 +151,10 @@ class SwapTimer:
             raise RuntimeError(f"{'swap-out' if out else 'swap-in'} of {n} blocks failed: {h.error}")
         return time.perf_counter() - t0, h.elapsed_s
 
-    def measure(self, n: int, repeats: int, warmup: int = 1) -> dict[str, Any]:
-        """Spreads of host-observed and engine-reported seconds for ``n`` blocks each way."""
-        for _ in range(warmup):
-            self._once("GPU", "CPU", n)
-            self._once("CPU", "GPU", n)
+    def measure(self, n: int, repeats: int) -> dict[str, Any]:
+        """Spreads of host-observed and engine-reported seconds for ``n`` blocks each way, after one untimed round."""
+        self._once("GPU", "CPU", n)
+        self._once("CPU", "GPU", n)
         walls: dict[str, list[float]] = {"out": [], "in": []}
         engine_s: dict[str, list[float]] = {"out": [], "in": []}
         for _ in range(repeats):

@@ -128,10 +128,6 @@ class RandomLlama:
         # Kept on the host: angles are computed in prepare(), outside any measured region.
         self.inv_freq = 1.0 / (s.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / s.head_dim))
 
-    @property
-    def weight_bytes(self) -> int:
-        return self.shape.num_params * torch.finfo(self.dtype).bits // 8
-
     # ------------------------------------------------------------------ inputs
     def prepare(self, tables: list[list[int]], start: int, n: int, block_size: int, seed: int = 0) -> Batch:
         """Tensors for ``len(tables)`` requests each computing tokens ``[start, start + n)`` (random token ids).

@@ -279,8 +279,7 @@ def duplex(bench: OverlapBench, kind: str, counter: SyncCounter, stop: Callable[
             compute.append(issuer.run(name, compute_only(k)))
             together.append(issuer.run(name, both(k)))
     finally:
-        if hasattr(engine, "close"):
-            engine.close()
+        engine.close()
     if not together:
         return {"engine": kind, "stopped": "out of time before a timed round"}
     c_alone = summarize(compute)["compute_s"]["median"]
@@ -413,8 +412,7 @@ def layerwise(bench: OverlapBench, counter: SyncCounter, stop: Callable[[], bool
             for v, fn in variants.items():
                 rounds[v].append(issuer.run(f"layerwise/{v}", fn))
     finally:
-        if hasattr(engine, "close"):
-            engine.close()
+        engine.close()
     if not rounds["serial"]:
         return {"stopped": "out of time before a timed round"}
     s = {v: summarize(r) for v, r in rounds.items()}

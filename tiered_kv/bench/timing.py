@@ -77,10 +77,9 @@ class Stopwatch:
         fn()
         return time.perf_counter() - t0
 
-    def repeat(self, fn: Callable[[], object], repeats: int, warmup: int = 1) -> dict[str, Any]:
-        """Run ``fn`` ``warmup`` times untimed (first-call set-up), then ``repeats`` times timed."""
-        for _ in range(warmup):
-            fn()
+    def repeat(self, fn: Callable[[], object], repeats: int) -> dict[str, Any]:
+        """Run ``fn`` once untimed (first-call set-up), then ``repeats`` times timed."""
+        fn()
         return spread([self.time(fn) for _ in range(repeats)])
 
 

@@ -154,8 +154,7 @@ def run_cases(
                 bench = _Bench(tiers, engine, repeats)
                 for case in _cases(n, half, n * s.bytes_per_block, rng):
                     rows.append(_time_case(bench, eng_name, layout, s, case, emit))
-                if hasattr(engine, "close"):
-                    engine.close()
+                engine.close()
             if cuda:
                 rows.extend(_vllm_v0_loop(tiers, s, layout, n, half, rng, repeats, emit))
     return rows

@@ -1,14 +1,8 @@
 """The ``crossover`` subcommand: its flags, and the checks that run before any measurement.
 
-Two forms:
-
-* ``crossover --model PROFILE (--hardware PROFILE | --calibration PATH)``:
-  the user's own model.  The copy link is measured here with the model's KV
-  shape; compute comes from the hardware profile's roofline or from a
-  calibration measured on the same model (:mod:`tiered_kv.bench.crossover`).
-* ``crossover`` with the model flags: a small real model, measured end to end
-  (copies, prefills and engine steps; :mod:`tiered_kv.bench.crossover`).
-
+Two forms, measured as :mod:`tiered_kv.bench.crossover` describes: ``crossover
+--model PROFILE (--hardware PROFILE | --calibration PATH)``, the user's own
+model; and ``crossover`` with the model flags, a small real model end to end.
 Both repeat each point (``--repeats``) and report min/median/max, print a row
 per length as it is measured and append it to ``--rows`` (JSON Lines), and
 refuse, before allocating anything, a run whose tiers do not fit in memory.
@@ -284,9 +278,7 @@ def _run_small(args: argparse.Namespace) -> int:
     # Two contexts' worth of GPU blocks (swap-in lands in other blocks) next to the weights and one
     # prefill's attention scores (heads x L^2 floats).
     scores = 4 * config.num_heads * max(lengths) ** 2
-    check_tiers_fit(
-        config.kv_spec(args.block_size), 2 * max(lengths), device, "crossover", weights + scores, "--max-tokens"
-    )
+    check_tiers_fit(config.kv_spec(args.block_size), 2 * max(lengths), device, "crossover", weights + scores)
     with RowFile(_rows_path(args)) as rows, Phases("crossover", enabled=not args.no_progress) as phases:
         doc, cal = crossover(
             config,

@@ -44,14 +44,7 @@ BOUNDS = {
     "frontend_s": (1e-4, 0.2),
 }
 # The config key each coefficient overrides.
-KEYS = {
-    "mfu": "compute.mfu",
-    "prefill_mfu": "compute.prefill_mfu",
-    "hbm_efficiency": "compute.hbm_efficiency",
-    "step_overhead_s": "compute.step_overhead_s",
-    "per_seq_s": "compute.per_seq_s",
-    "frontend_s": "compute.frontend_s",
-}
+KEYS = {k: f"compute.{k}" for k in BOUNDS}
 
 
 def _to_unit(v: float, lo: float, hi: float) -> float:
@@ -59,9 +52,7 @@ def _to_unit(v: float, lo: float, hi: float) -> float:
     v = min(max(v, lo), hi)
     if hi / lo > 100:
         lo, hi, v = math.log(lo), math.log(hi), math.log(v)
-        p = (v - lo) / (hi - lo)
-    else:
-        p = (v - lo) / (hi - lo)
+    p = (v - lo) / (hi - lo)
     p = min(max(p, 1e-6), 1 - 1e-6)
     return math.log(p / (1 - p))
 

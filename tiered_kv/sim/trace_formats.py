@@ -40,7 +40,7 @@ import io
 import json
 import math
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,6 @@ _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _BURST_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
 _BURST_REQUIRED = ("Timestamp", "Request tokens", "Response tokens")
-_BURST_OPTIONAL = ("Session ID", "Elapsed time")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +96,6 @@ class Trace:
     def skip(self, reason: str, line: int) -> None:
         entry = self.skipped.setdefault(reason, [0, line])
         entry[0] += 1
-
-    @property
-    def num_skipped(self) -> int:
-        return sum(n for n, _ in self.skipped.values())
 
     def skipped_text(self) -> str:
         """One clause per reason (``"3 rows with 0 response tokens (first: line 7)"``), or ``""``."""
@@ -572,11 +567,7 @@ def sample(rows: list[TraceRow], window: tuple[float, float] | None = None, ever
     if not rows:
         return rows
     t0 = min(r.arrival for r in rows)
-    return [
-        TraceRow(r.line, r.arrival - t0, r.prompt_len, r.output_len, r.prompt_tokens, r.id, r.hash_ids,
-                 r.hash_block_size, r.output_tokens, r.conversation, r.turn)
-        for r in rows
-    ]  # fmt: skip
+    return [replace(r, arrival=r.arrival - t0) for r in rows]
 
 
 def _conversation(r: TraceRow) -> tuple[int, int]:
