@@ -40,9 +40,6 @@ if TYPE_CHECKING:
     from tiered_kv.obs.prometheus import MetricsServer
 
 
-"""The tier manager's own word for a write policy, where it still has one of its own."""
-
-
 class EngineStalledError(TieredKVError, RuntimeError):
     """Requests wait, nothing can be scheduled and no copy is in flight: waiting would never end."""
 

@@ -2,10 +2,11 @@
 
 One table, :data:`SPECS`, that the Prometheus exporter (:mod:`tiered_kv.obs.prometheus`)
 and ``docs/metrics.md`` follow.  Names and meanings follow vLLM's v1 engine where
-vLLM has the metric (``PrometheusStatLogger`` in ``vllm/v1/metrics/loggers.py``),
-so a dashboard built for vLLM reads these unchanged; the tiered manager's own
-numbers use the ``tiered_kv:`` prefix.  Standard library only: the table can be
-read without ``prometheus_client``.
+vLLM has the metric (``PrometheusStatLogger`` in ``vllm/v1/metrics/loggers.py``,
+matched against vLLM 0.12: the ``vllm:`` names below), so a dashboard built for
+vLLM reads these unchanged; the tiered manager's own numbers use the
+``tiered_kv:`` prefix.  Standard library only: the table can be read without
+``prometheus_client``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Prometheus export: a ``/metrics`` server for a live scheduler, and text snapshots for finished runs.
 
-Names and meanings follow vLLM's v1 engine where vLLM has the metric
-(``PrometheusStatLogger`` in ``vllm/v1/metrics/loggers.py``, matched against
-vLLM 0.12: ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries`` and
-``_hits``, ``vllm:external_prefix_cache_queries`` and ``_hits``,
-``vllm:num_preemptions``, ``vllm:num_requests_running`` and ``_waiting``), so a
-dashboard built for vLLM reads these unchanged.  The tiered manager's own
-numbers use the ``tiered_kv:`` prefix.  ``docs/metrics.md`` has the table.
+What is exported, under vLLM's names where vLLM has the metric, is the table
+of :mod:`~tiered_kv.obs.metric_specs`; ``docs/metrics.md`` has it too.
 
 Every value comes from a :class:`~tiered_kv.obs.recorder.Reading` published by
 the thread that drives the scheduler; a scrape reads the latest one and never

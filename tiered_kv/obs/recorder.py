@@ -32,29 +32,9 @@ from tiered_kv.sched.scheduler import Scheduler
 from tiered_kv.sched.status import RequestStatus
 from tiered_kv.transfer.plan import PlanKind
 
-# Upper bounds (seconds) of the copy-latency buckets: from a few blocks over
+# Upper bounds (seconds) of the copy-latency buckets, 1-2.5-5 per decade: from a few blocks over
 # NVLink-class links (~10 us) to a multi-GiB swap over a slow link (seconds).
-LATENCY_BUCKETS_S: tuple[float, ...] = (
-    1e-5,
-    2.5e-5,
-    5e-5,
-    1e-4,
-    2.5e-4,
-    5e-4,
-    1e-3,
-    2.5e-3,
-    5e-3,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-)
+LATENCY_BUCKETS_S: tuple[float, ...] = (*(float(f"{m}e{e}") for e in range(-5, 1) for m in (1, 2.5, 5)), 10.0)
 # Kinds the manager emits (PlanKind.COPY is for benchmarks and tests only).
 COPY_KINDS: tuple[str, ...] = tuple(
     k.value for k in (PlanKind.SWAP_OUT, PlanKind.SWAP_IN, PlanKind.ONBOARD, PlanKind.OFFLOAD)
@@ -173,13 +153,10 @@ class MetricsRecorder:
                 waiting += 1
             elif st in _SWAPPED:
                 swapped += 1
-        latency = {}
-        for kind, counts in self._counts.items():
-            cumulative, total = [], 0
-            for n in counts:
-                total += n
-                cumulative.append(total)
-            latency[kind] = LatencyHistogram(self.buckets, tuple(cumulative), self._sums[kind])
+        latency = {
+            kind: LatencyHistogram(self.buckets, tuple(itertools.accumulate(counts)), self._sums[kind])
+            for kind, counts in self._counts.items()
+        }
         return Reading(
             snapshot=sched.metrics(),
             tokens_recomputed=sched.tokens_recomputed,

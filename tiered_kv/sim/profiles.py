@@ -14,7 +14,7 @@ shipped YAML:
   serving measurements (the fit and its residuals sit beside them), and the
   tensor-parallel all-reduce cost (:class:`AllReduceProfile`);
 * optionally, the media below the CPU tier (``tiers:``, see
-  :mod:`~tiered_kv.sim.tier_profiles`): each one's bandwidth and per-block latency.
+  :mod:`~tiered_kv.sim.tier_config`): each one's bandwidth and per-block latency.
 
 No physical number has a default: a profile that leaves one out would
 otherwise simulate some other machine or model (``name: L4`` alone used to get
@@ -50,7 +50,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.sim.files import read_yaml
 from tiered_kv.sim.schema import REQUIRED, Field, Retired, fraction, integer, non_negative, num, positive, validate
 from tiered_kv.sim.shipped import shipped, shipped_names
-from tiered_kv.sim.tier_profiles import TIERS_SCHEMA, TierMedium, tier_media
+from tiered_kv.sim.tier_config import TIERS_SCHEMA, TierMedium, tier_media
 from tiered_kv.storage.spec import DTYPE_BYTES
 
 
@@ -90,7 +90,7 @@ HARDWARE_SCHEMA = {
         "small_max_bytes": Field((int,), None, None, (positive,), nullable=True),
         "busbw_gbps": num(None, positive, nullable=True),
     },
-    # Media below the CPU tier (tier_profiles.py); a medium left out gets the manager's measured defaults.
+    # Media below the CPU tier (tier_config.py); a medium left out gets the manager's measured defaults.
     "tiers": TIERS_SCHEMA,
 }
 MODEL_SCHEMA = {
@@ -198,7 +198,7 @@ class HardwareProfile:
     link: LinkProfile
     step: StepProfile
     allreduce: AllReduceProfile | None  # None: the profile gives none (a model on one GPU needs none)
-    tiers: Mapping[str, TierMedium] = field(default_factory=dict)  # tier name -> its medium (tier_profiles)
+    tiers: Mapping[str, TierMedium] = field(default_factory=dict)  # tier name -> its medium (tier_config)
     derived: tuple[str, ...] = ()  # "key = value (rule)" for every number derived rather than given
 
     @property
@@ -250,10 +250,6 @@ class ModelProfile:
     def kv_bytes_per_token(self) -> int:
         """K and V of one token, all layers, on one GPU: 2 x layers x KV heads x head dim x dtype."""
         return 2 * self.num_layers * self.kv_heads_per_gpu * self.head_dim * self.dtype_bytes
-
-    @property
-    def kv_bytes_per_token_per_layer(self) -> int:
-        return self.kv_bytes_per_token // self.num_layers
 
     @property
     def embedding_params(self) -> float:

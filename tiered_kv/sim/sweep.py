@@ -26,7 +26,7 @@ from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.progress import Progress
 from tiered_kv.sim.report import plot_sweep, write_json
 from tiered_kv.sim.simulator import SimulationError, Simulator
-from tiered_kv.sim.tier_profiles import profile_name
+from tiered_kv.sim.tier_config import profile_name
 from tiered_kv.sim.workload import generate, size
 from tiered_kv.tiers.tier_kind import find_tier_kind
 

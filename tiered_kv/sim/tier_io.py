@@ -13,9 +13,8 @@ plan at the simulated time its link gives.
 
 What a plan costs: a tier has one lane for loads (medium -> CPU tier) and one
 for stores (CPU tier -> medium), like the real engines' separate load and store
-pools.  Each lane serves its plans in order; a plan of ``n`` blocks of ``b``
-bytes takes ``n * (block_latency + b / bandwidth)`` of the lane's
-:class:`~tiered_kv.manager.cost_model.TierLink` (the manager prices loads with
+pools.  Each lane serves its plans in order, each taking the load time of the
+lane's :class:`~tiered_kv.tiers.link.TierLink` (the manager prices loads with
 the same link).  A load to the GPU is then the manager's usual ONBOARD copy,
 CPU -> GPU over the simulated PCIe link.  The two lanes of one medium do not
 slow each other down: a load running beside a write-back is charged as if it
@@ -29,7 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from tiered_kv import checks
-from tiered_kv.errors import BlockStateError, PlanError
+from tiered_kv.errors import PlanError
 from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sim.events import EventLoop
@@ -38,7 +37,6 @@ from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
 from tiered_kv.tiers.lower_tier import LowerTier
-from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
 
 EVENT = "tier_io"
@@ -125,7 +123,7 @@ class SimTierIO:
             plan.validate(self.store.num_blocks, self.host.num_blocks)
         else:
             raise PlanError(f"plan {plan.plan_id}: the {medium} tier moves {cpu} <-> {medium}, not {plan.direction}")
-        keys = tuple(self._resolve(plan, op, slots))
+        keys = self.store.plan_keys(plan.plan_id, op, slots)
         now = self.loop.now
         handle = BlockIOHandle(plan, num_bytes=len(keys) * self.bytes_per_block, keys=keys)
         handle.outcomes = [BlockOutcome.CANCELLED] * len(keys)
@@ -138,20 +136,6 @@ class SimTierIO:
         self.loop.schedule(end, EVENT, job)
         self.loop.log("tier_io_start", (plan.plan_id, medium, op, len(keys), round(end, 9)))
         return handle
-
-    def _resolve(self, plan: TransferPlan, op: str, slots: tuple[int, ...]) -> list[Key]:
-        keys = []
-        for i, slot in enumerate(slots):
-            try:
-                key = self.store.key_at(slot)
-            except BlockStateError as exc:
-                raise PlanError(f"plan {plan.plan_id}: {exc}") from None
-            if self.store.is_ready(key) != (op == "load"):
-                want = "ready (prepare_load)" if op == "load" else "pending (prepare_store)"
-                where = f"slot {slot} (position {i}) of the {self.medium} store"
-                raise PlanError(f"plan {plan.plan_id}: {where} is not {want}")
-            keys.append(key)
-        return keys
 
     def cancel(self, handle: TransferHandle) -> bool:
         """A simulated transfer, once queued, runs to its end (the manager never cancels a move of the chain)."""

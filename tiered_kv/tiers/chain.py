@@ -43,11 +43,8 @@ from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
 from tiered_kv.tiers.namespace import encodable
 from tiered_kv.tiers.store import BlockStore, Key, LoadStoreSpec, check_keys
-from tiered_kv.tiers.write_policy import WRITE_POLICIES, check_write_policy
+from tiered_kv.tiers.write_policy import check_write_policy
 from tiered_kv.transfer.plan import GPU, PlanKind, TransferHandle, TransferPlan
-
-DEMOTE_MODES = WRITE_POLICIES
-"""How a tier hands blocks to the tier below: the vocabulary of :mod:`~tiered_kv.tiers.write_policy`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,14 +7,13 @@ slots, from ``prepare_store``/``prepare_load``, which the engine resolves to
 keys when the plan is submitted (on the caller's thread, so the store itself
 stays single-threaded).
 
-Unlike a memory copy, a block's I/O can fail on its own (a full disk, a
-corrupt file, a server that went away) while its neighbours succeed.  So the
-handle, a :class:`BlockIOHandle`, carries one :class:`BlockOutcome` per block.
-Its status sums them up: ``DONE`` only if every block landed, ``FAILED`` if
-any did not, ``CANCELLED`` if it was cancelled.  Whatever the status, the
-outcomes say which blocks landed, and the caller completes the store's verbs
-per block; a caller that reads only the status and treats a ``FAILED`` plan as
-wholly failed still loses nothing, it only wastes the blocks that did land.
+The handle, a :class:`BlockIOHandle` (:mod:`~tiered_kv.tiers.io_handle`), carries one
+:class:`BlockOutcome` per block.  Its status sums them up: ``DONE`` only if every
+block landed, ``FAILED`` if any did not, ``CANCELLED`` if it was cancelled.
+Whatever the status, the outcomes say which blocks landed, and the caller
+completes the store's verbs per block; a caller that reads only the status and
+treats a ``FAILED`` plan as wholly failed still loses nothing, it only wastes
+the blocks that did land.
 
 Loads and stores run on separate pools, so a load a request waits for is
 never queued behind a long write-back.
@@ -32,13 +31,13 @@ from __future__ import annotations
 import abc
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_kv import checks
-from tiered_kv.errors import BlockStateError, PlanError, StorageError, TransferError
+from tiered_kv.errors import PlanError, StorageError, TransferError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tiers.chunk_buffer import ChunkBuffer
 from tiered_kv.tiers.host_blocks import HostBlocks
@@ -174,20 +173,18 @@ class BlockIOEngine(abc.ABC):
         host_medium = self._host_medium
         if (plan.src_medium, plan.dst_medium) == (host_medium, self.medium):
             op, host_ids, slots = "store", plan.src_block_ids, plan.dst_block_ids
+            plan.validate(self.host.num_blocks, self.store.num_blocks)
         elif (plan.src_medium, plan.dst_medium) == (self.medium, host_medium):
             op, host_ids, slots = "load", plan.dst_block_ids, plan.src_block_ids
+            plan.validate(self.store.num_blocks, self.host.num_blocks)
         else:
             raise PlanError(
                 f"plan {plan.plan_id}: the {self.medium} I/O engine moves {host_medium} <-> {self.medium}, "
                 f"not {plan.src_medium} -> {plan.dst_medium}"
             )
-        if op == "store":
-            plan.validate(self.host.num_blocks, self.store.num_blocks)
-        else:
-            plan.validate(self.store.num_blocks, self.host.num_blocks)
         if len(set(host_ids)) != len(host_ids):
             raise PlanError(f"plan {plan.plan_id}: a CPU slot is listed twice")
-        keys = tuple(self._resolve(plan, op, slots))
+        keys = self.store.plan_keys(plan.plan_id, op, slots)
         handle = BlockIOHandle(plan, num_bytes=plan.num_blocks * self.host.block_bytes, keys=keys)
         handle.outcomes = [BlockOutcome.CANCELLED] * len(keys)
         jobs = [Job(i, key, host_ids[i]) for i, key in enumerate(keys)]
@@ -202,22 +199,6 @@ class BlockIOEngine(abc.ABC):
         for batch in batches:
             self._pools[op].submit(self._run, handle, op, batch)
         return handle
-
-    def _resolve(self, plan: TransferPlan, op: str, slots: Sequence[int]) -> list[Key]:
-        keys = []
-        for i, slot in enumerate(slots):
-            try:
-                key = self.store.key_at(slot)
-            except BlockStateError as exc:
-                raise PlanError(f"plan {plan.plan_id}: {exc}") from None
-            ready = self.store.is_ready(key)
-            if ready != (op == "load"):
-                want = "ready (prepare_load)" if op == "load" else "pending (prepare_store)"
-                raise PlanError(
-                    f"plan {plan.plan_id}: slot {slot} (position {i}) of the {self.medium} store is not {want}"
-                )
-            keys.append(key)
-        return keys
 
     # -------------------------------------------------------------- cancel
     def cancel(self, handle: BlockIOHandle) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tiered_kv import checks
-from tiered_kv.errors import BlockStateError, InvalidArgumentError
+from tiered_kv.errors import BlockStateError, InvalidArgumentError, PlanError
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.namespace import MAX_KEY_BYTES, encodable
 from tiered_kv.tiers.store import Key, PrepareStoreOutput, check_keys
@@ -63,6 +63,24 @@ class KeyedStore(CPUStore):
         if key is None:
             raise BlockStateError(f"slot {slot} of the {self.medium} store holds no entry")
         return key
+
+    def plan_keys(self, plan_id: int, op: str, slots: Sequence[int]) -> tuple[Key, ...]:
+        """The keys of a ``"load"`` or ``"store"`` plan's slots on this store's side, in plan order.
+
+        Raises:
+            PlanError: a slot holds no entry, or its entry is not ready (a load) or not pending (a store).
+        """
+        keys = []
+        for i, slot in enumerate(slots):
+            try:
+                key = self.key_at(slot)
+            except BlockStateError as exc:
+                raise PlanError(f"plan {plan_id}: {exc}") from None
+            if self.is_ready(key) != (op == "load"):
+                want = "ready (prepare_load)" if op == "load" else "pending (prepare_store)"
+                raise PlanError(f"plan {plan_id}: slot {slot} (position {i}) of the {self.medium} store is not {want}")
+            keys.append(key)
+        return tuple(keys)
 
     def _unmap(self, keys: Sequence[Key]) -> None:
         for key in keys:
