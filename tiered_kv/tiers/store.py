@@ -62,7 +62,8 @@ class LoadStoreSpec:
     """Where blocks live in one medium, for a copy engine.
 
     Attributes:
-        medium: ``"CPU"`` (later ``"DISK"``, ``"REMOTE"``).
+        medium: The medium the slots are in: ``"CPU"`` for the CPU store, a lower
+            tier's own (``"DISK"``, ``"REMOTE"``) for the stores below it.
         block_ids: One slot per key, in the order the keys were given.
     """
 
