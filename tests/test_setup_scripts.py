@@ -37,7 +37,7 @@ def test_an_unknown_set_is_refused():
     r = sh("bash", "scripts/setup-venv.sh", "everything", check=False)
     assert (
         r.returncode == 2
-        and r.stderr == "setup-venv.sh: unknown set 'everything' (give sim, vllm, or nothing for the test set)\n"
+        and r.stderr == "setup-venv.sh: unknown set 'everything' (give sim, vllm, sglang, or nothing for the test set)\n"
     )
 
 
