@@ -45,7 +45,7 @@ if [ "$what" = sglang ]; then
     # --no-deps: SGLang 0.5.23 asks for torch 2.14.1 (a CUDA build) and its GPU kernels; its HiCache
     # storage interface and backend loader run on the CPU torch above with sglang-requirements.txt.
     "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps "sglang==0.5.23"
-    "$VENV/bin/pip" install -q --disable-pip-version-check -r scripts/sglang-requirements.txt pytest
+    "$VENV/bin/pip" install -q --disable-pip-version-check -r scripts/sglang-requirements.txt pytest pytest-benchmark
 fi
 # sim: YAML configs, plots, progress bars; test: the suite's tools; ray: `sweep --ray` and its test.
 "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[$extras]"
