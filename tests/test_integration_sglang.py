@@ -293,10 +293,15 @@ def test_v1_page_methods_move_host_pool_pages_byte_exactly(tmp_path, kind, layou
         backend.close()
 
 
-def test_v1_get_leaves_the_slots_of_a_missing_page_as_they_were(tmp_path):
-    pool = HostPoolDouble(kind="mla", layout="page_first", head_dim=64)  # pages read in place
+@pytest.mark.parametrize(
+    "kind,layout",
+    [("mla", "page_first"), ("mha", "layer_first")],
+    ids=["in-place", "via-a-flat-page"],  # MLA page-first pages are contiguous in the pool, MHA ones are not
+)
+def test_v1_get_leaves_the_slots_of_a_missing_page_as_they_were(tmp_path, kind, layout):
+    pool = HostPoolDouble(kind=kind, layout=layout, head_dim=64 if kind == "mla" else 16)
     pool.fill(seed=3)
-    backend = build([disk(tmp_path / "kv")], pool, is_mla_model=True)
+    backend = build([disk(tmp_path / "kv")], pool, is_mla_model=kind == "mla")
     try:
         ks = hashes(2)
         assert backend.batch_set_v1(ks[:1], pool.slots(0)) == [True]
