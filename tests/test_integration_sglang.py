@@ -293,6 +293,20 @@ def test_v1_page_methods_move_host_pool_pages_byte_exactly(tmp_path, kind, layou
         backend.close()
 
 
+def test_v1_batches_larger_than_the_scratch_are_byte_exact(tmp_path):
+    pool = HostPoolDouble(num_pages=40)
+    pool.fill(seed=21)
+    backend = build([disk(tmp_path / "kv")], pool)
+    try:
+        ks = hashes(20)  # more pages than one thread's scratch stages at a time (16)
+        want = [pool.page_bytes_at(p * pool.page_size) for p in range(20)]
+        assert backend.batch_set_v1(ks, pool.slots(*range(20))) == [True] * 20
+        assert backend.batch_get_v1(ks, pool.slots(*range(20, 40))) == [True] * 20
+        assert [pool.page_bytes_at(p * pool.page_size) for p in range(20, 40)] == want
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize(
     "kind,layout",
     [("mla", "page_first"), ("mha", "layer_first")],

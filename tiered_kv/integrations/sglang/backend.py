@@ -13,7 +13,8 @@ Both families store the same bytes: a page is what the host pool's own
 ``get_data_page(index, flat=True)`` gives and ``set_from_flat_data_page`` takes
 back, so pages written by one family are read by the other, whatever the pool's
 layout (layer-first, page-first, MLA).  Page views that are contiguous in the host
-pool are read into and written from in place; the others go through one flat page.
+pool are read into and written from in place; the others go through flat pages of
+a per-thread scratch, reused from call to call.
 
 What holds, from :mod:`tiered_kv.integrations.page_store`: every page is written
 whole (a file renamed once complete, or one Redis command) with a header naming
@@ -39,6 +40,9 @@ from tiered_kv.integrations.sglang._sglang import HiCacheStorage, HiCacheStorage
 from tiered_kv.integrations.sglang.config import BackendConfig
 
 logger = logging.getLogger(__name__)
+
+SCRATCH_PAGES = 16
+"""Flat pages a thread's page-method call stages at a time (pages not contiguous in the host pool)."""
 
 CONSTRUCTOR_KWARGS = frozenset({"fault_hook"})
 """What ``StorageBackendFactory.create_backend(..., **kwargs)`` may pass on (a test's fault hook)."""
@@ -97,6 +101,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self.store: PageStore | ChainedPageStore | None = None
         self.layout: str | None = None
         self._lock = threading.Lock()
+        self._local = threading.local()
 
     # ------------------------------------------------------------ the host pool
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -119,6 +124,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         with self._lock:
             old, self.store = self.store, store
             self.mem_pool_host, self.layout = mem_pool_host, layout
+            self._local = threading.local()  # scratch pages of the new pool's geometry
         if old is not None:
             old.close()
 
@@ -190,20 +196,20 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         """
         keys = _key_list(keys)
         pool, starts = self._page_starts(keys, host_indices)
-        outs: list[Any] = []
-        staged: list[bool] = []
-        for start in starts:
-            view = pool.get_data_page(start, flat=False)
-            if view.is_contiguous():
-                outs.append(view)  # a contiguous page: read in place (a miss leaves it untouched)
-                staged.append(False)
-            else:
-                outs.append(pool.get_dummy_flat_data_page())
-                staged.append(True)
-        hits = self._get(keys, outs)
-        for start, out, via_staging, ok in zip(starts, outs, staged, hits, strict=True):
-            if ok and via_staging:
-                pool.set_from_flat_data_page(start, out)
+        views = [pool.get_data_page(start, flat=False) for start in starts]
+        hits = [False] * len(keys)
+        direct = [i for i, v in enumerate(views) if v.is_contiguous()]
+        if direct:  # contiguous pages are read in place: a miss leaves them untouched
+            for i, ok in zip(direct, self._get([keys[i] for i in direct], [views[i] for i in direct]), strict=True):
+                hits[i] = ok
+        staged = [i for i, v in enumerate(views) if not v.is_contiguous()]
+        for at in range(0, len(staged), SCRATCH_PAGES):
+            chunk = staged[at : at + SCRATCH_PAGES]
+            flats = self._scratch(len(chunk))
+            for i, flat, ok in zip(chunk, flats, self._get([keys[i] for i in chunk], flats), strict=True):
+                if ok:
+                    pool.set_from_flat_data_page(starts[i], flat)
+                hits[i] = ok
         return hits
 
     def batch_set_v1(
@@ -216,8 +222,19 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         """
         keys = _key_list(keys)
         pool, starts = self._page_starts(keys, host_indices)
-        pages = [pool.get_data_page(start, flat=True) for start in starts]
-        return self._put(keys, pages)
+        stored: list[bool] = []
+        for at in range(0, len(keys), SCRATCH_PAGES):
+            views = [pool.get_data_page(start, flat=False) for start in starts[at : at + SCRATCH_PAGES]]
+            flats = self._scratch(len(views))
+            pages = []
+            for view, flat in zip(views, flats, strict=False):
+                if view.is_contiguous():
+                    pages.append(view)  # stored from the pool itself
+                else:  # gathered in the flat page's order (what get_data_page(flat=True) gives)
+                    flat.view(view.shape).copy_(view)
+                    pages.append(flat)
+            stored += self._put(keys[at : at + SCRATCH_PAGES], pages)
+        return stored
 
     # ------------------------------------------------------------ the rest
     def delete(self, key: str) -> None:
@@ -252,6 +269,19 @@ class TieredKVHiCacheStorage(HiCacheStorage):
                 f"{len(keys) * page_size}"
             )
         return pool, [int(i) for i in flat[::page_size].tolist()]
+
+    def _scratch(self, n: int) -> list[Any]:
+        """``n`` flat pages of this thread's scratch (allocated once per thread and pool, then reused).
+
+        SGLang's prefetch and backup threads call the page methods concurrently, so each thread
+        has its own; reusing them spares every call the allocation and first touch of its pages.
+        """
+        local = self._local
+        pages: list[Any] = getattr(local, "pages", [])
+        while len(pages) < n:
+            pages.append(self.mem_pool_host.get_dummy_flat_data_page())
+        local.pages = pages
+        return pages[:n]
 
     def _get(self, keys: list[str], outs: list[Any]) -> list[bool]:
         store = self.store
