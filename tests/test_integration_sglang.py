@@ -161,6 +161,18 @@ def test_eviction_under_a_small_capacity_and_exists_agree(tmp_path):
         backend.close()
 
 
+def test_registering_the_pool_again_reopens_the_same_pages(tmp_path):
+    pool = HostPoolDouble()
+    backend = build([disk(tmp_path / "kv")], pool)
+    try:
+        k = hashes(1)[0]
+        assert backend.set(k, page(pool, 3))
+        backend.register_mem_pool_host(pool)  # SGLang re-attaches storage at run time
+        assert raw(backend.get(k)) == raw(page(pool, 3))
+    finally:
+        backend.close()
+
+
 def test_a_restart_on_the_same_root_reads_the_stored_pages(tmp_path):
     pool = HostPoolDouble()
     ks = hashes(2)

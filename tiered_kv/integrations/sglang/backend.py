@@ -105,14 +105,16 @@ class TieredKVHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------ the host pool
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Open the store for ``mem_pool_host``'s pages (a second registration reopens it for the new pool).
+        """Open the store for ``mem_pool_host``'s pages (a second registration closes the first store and reopens).
 
         Raises:
-            TieredKVError: the medium cannot be opened (a root that cannot be created, ...).
+            TieredKVError: the medium cannot be opened (a root that cannot be created, ...); then no
+                store is open and every call misses.
         """
         dummy = mem_pool_host.get_dummy_flat_data_page()
         page_bytes = dummy.numel() * dummy.element_size()
         layout = f"sglang;{host_layout(mem_pool_host)};{self.config.rank_layout}"
+        self.close()  # first: a disk tier's directory has one owner, and the new store may need the same one
         store = open_page_store(
             self.config.store,
             page_bytes=page_bytes,
@@ -122,11 +124,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             fault_hook=self.fault_hook,
         )
         with self._lock:
-            old, self.store = self.store, store
-            self.mem_pool_host, self.layout = mem_pool_host, layout
+            self.store, self.mem_pool_host, self.layout = store, mem_pool_host, layout
             self._local = threading.local()  # scratch pages of the new pool's geometry
-        if old is not None:
-            old.close()
 
     @property
     def page_bytes(self) -> int | None:
