@@ -67,6 +67,7 @@ def test_the_front_end_delays_entry_and_counts_in_ttft_but_in_no_step():
     assert res["ttft_s"]["p50"] == 1.25 and res["e2e_s"]["p99"] == 2.25 and res["makespan_s"] == 4.25
     assert res["tpot_s"]["p50"] == 1.0  # no step pays for the front end
     assert res["queue_s"]["p99"] == 0.0  # nor is it a wait in the scheduler's queue
+    assert res["frontend_s"] == 0.25  # the results name it apart from the queue and the steps
     assert [r.arrival for r in sim.records.values()] == [0.0, 2.0]  # the records keep the time it was sent
 
 
@@ -133,6 +134,24 @@ def _step_model_without(key):
         ({"compute__scheduler_steps": True}, r"compute\.scheduler_steps: expected an integer"),
         ({"compute__frontend_s": -1.0}, r"compute\.frontend_s: must be >= 0"),
         ({"compute__prefill_mfu": 1.5}, r"compute\.prefill_mfu: must be in \(0, 1\]"),
+        ({"compute__prefill_mfu": float("nan")}, r"compute\.prefill_mfu: .*nan"),
+        ({"compute__frontend_s": float("nan")}, r"compute\.frontend_s: .*nan"),
+        (
+            {"hardware__step_model": {**TINY["hardware"]["step_model"], "prefill_mfu": -0.5}},
+            r"hardware\.step_model\.prefill_mfu: must be in \(0, 1\]",
+        ),
+        (
+            {"hardware__step_model": {**TINY["hardware"]["step_model"], "prefill_mfu": float("nan")}},
+            r"hardware\.step_model\.prefill_mfu: .*nan",
+        ),
+        (
+            {"hardware__step_model": {**TINY["hardware"]["step_model"], "frontend_s": -0.01}},
+            r"hardware\.step_model\.frontend_s: must be >= 0",
+        ),
+        (
+            {"hardware__step_model": {**TINY["hardware"]["step_model"], "frontend_s": float("inf")}},
+            r"hardware\.step_model\.frontend_s: .*inf",
+        ),
         (
             {"hardware__step_model": _step_model_without("prefill_mfu")},
             r"hardware\.step_model\.prefill_mfu: required key is missing$",
@@ -156,3 +175,30 @@ def test_a_shipped_profile_prices_the_front_end_into_every_run():
     assert hw.step.frontend_s > 0 and setup(cfg, 0).compute.frontend_s == hw.step.frontend_s
     off = config_from_raw({"hardware": "h200", "model": "llama3-8b", "compute": {"frontend_s": 0}}, "x")
     assert setup(off, 0).compute.frontend_s == 0.0  # the config's override wins
+
+
+def test_the_front_end_shifts_a_saturated_run_and_changes_no_step():
+    # Eight 4-token prompts with 3 output tokens each, all sent at once, at most four running: a step
+    # runs every second from the first arrival to the last finish (eight steps; the 8-block pool preempts
+    # one request once).  With 0.25 s of front end every event happens 0.25 s later: the steps (their
+    # rows, their count, the preemption) and the busy span are the same, so the throughput over the busy
+    # span is unchanged while every TTFT grows by exactly 0.25 s.
+    changes = {
+        "workload__num_requests": 8,
+        "workload__arrival": {"process": "fixed", "rate": 1.0e9},
+        "workload__output_len": {"dist": "fixed", "value": 3},
+    }
+    res0, sim0 = run(config(**changes), trace=True)
+    res1, sim1 = run(config(compute__frontend_s=0.25, **changes), trace=True)
+    shifted = [(round(t - 0.25, 9), kind, what) for t, kind, what in sim1.loop.trace]
+    assert shifted == [(round(t, 9), kind, what) for t, kind, what in sim0.loop.trace]
+    assert sum(e[1] == "step" for e in sim0.loop.trace) == 8
+    assert [e for e in sim1.loop.trace if e[1] == "preempt_recompute"] == [(2.25, "preempt_recompute", 3)]
+    assert res1["makespan_s"] - res0["makespan_s"] == pytest.approx(0.25, abs=1e-9)
+    tokens = sum(r.output_tokens for r in sim1.records.values())
+    assert tokens == 24
+    assert tokens / (res1["makespan_s"] - 0.25) == pytest.approx(tokens / res0["makespan_s"], rel=1e-12)
+    ttft0 = sorted(r.first_token - r.arrival for r in sim0.records.values())
+    ttft1 = sorted(r.first_token - r.arrival for r in sim1.records.values())
+    assert ttft1 == pytest.approx([t + 0.25 for t in ttft0], abs=1e-9)
+    assert res1["tpot_s"] == res0["tpot_s"]
