@@ -1,9 +1,10 @@
 """Prefill efficiency, the serving front end and multi-step scheduling: hand-derived timings on tiny setups."""
 
+import itertools
 import json
 
 import pytest
-from simutil import TINY, config, run
+from simutil import KIB_IN_GIB, TINY, config, run
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.compute import ComputeModel
@@ -202,3 +203,33 @@ def test_the_front_end_shifts_a_saturated_run_and_changes_no_step():
     ttft1 = sorted(r.first_token - r.arrival for r in sim1.records.values())
     assert ttft1 == pytest.approx([t + 0.25 for t in ttft0], abs=1e-9)
     assert res1["tpot_s"] == res0["tpot_s"]
+
+
+def test_chunked_prefill_attention_grows_with_the_cached_context_and_adds_up_to_the_whole_prompts():
+    # TINY's model: one layer, attention width 64, 1e6 dense parameters, no vocabulary (no LM head), on
+    # 1e12 FLOP/s.  One 4,000-token prompt in chunks of 1,000: chunk k (c = 1,000k cached tokens) costs
+    # 2e6 * 1,000 dense FLOPs plus 2 * 64 * ((c + 1,000)^2 - c^2) attention FLOPs, both at prefill_mfu
+    # (0.5; decode's mfu is 0.25 here and must not price them), plus 0.5 ms a step.  Compute-bound: a
+    # step reads at most 2 MB of weights and 1 MB of KV at 80 GB/s (38 us).
+    changes = {
+        "compute__fixed_step_s": None,
+        "compute__mfu": 0.25,
+        "compute__prefill_mfu": 0.5,
+        "memory__gpu_kv_gib": 2048 * KIB_IN_GIB,
+        "workload__num_requests": 1,
+        "workload__prompt_len": {"dist": "fixed", "value": 4000},
+        "workload__output_len": {"dist": "fixed", "value": 1},
+    }
+    _, sim = run(config(scheduler__max_num_batched_tokens=1000, **changes), keep_timeline=True)
+    rate = 1e12 * 0.5
+    expected = [5e-4 + (2e6 * 1000 + 128 * ((c + 1000) ** 2 - c**2)) / rate for c in (0, 1000, 2000, 3000)]
+    got = [s.compute_s for s in sim.steps]
+    assert got == pytest.approx(expected, rel=1e-12)
+    # each chunk's attention grows linearly with the cached context: 2 * 64 * 2 * 1,000^2 FLOPs more a chunk
+    steps = [b - a for a, b in itertools.pairwise(got)]
+    assert steps == pytest.approx([128 * 2 * 1000**2 / rate] * 3, rel=1e-9)
+    # the chunks' attention adds up to the whole prompt's, 2 * 64 * 4,000^2: unchunked, one step that
+    # costs the chunks' total less three steps' overhead
+    _, whole = run(config(scheduler__max_num_batched_tokens=4000, **changes), keep_timeline=True)
+    assert [s.compute_s for s in whole.steps] == pytest.approx([5e-4 + (2e6 * 4000 + 128 * 4000**2) / rate])
+    assert sum(got) - 3 * 5e-4 == pytest.approx(whole.steps[0].compute_s, rel=1e-12)
