@@ -499,3 +499,57 @@ def test_a_worker_without_lmcaches_cpu_backend_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="max_local_cpu_size > 0"):
         TieredKVStorage(dst_device="cpu", config=engine_config([disk(tmp_path)]), metadata=engine_metadata())
     assert os.listdir(tmp_path) == []
+
+
+def docs_section() -> str:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "integrations.md").read_text()
+    return text[text.index("# tiered_kv inside LMCache") :]
+
+
+def pasted(text: str, root: Path, url: str) -> str:
+    """The docs' configuration with the paths, sizes and server of this test."""
+    return (
+        text.replace("/mnt/nvme/kv", str(root))
+        .replace("200000000000", str(64 * PAGE_FILE))
+        .replace("redis://kv-cache:6379/0", url)
+    )
+
+
+def test_the_yaml_in_the_docs_builds_the_chain(tmp_path, redis_server):
+    import re
+
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    yaml_text = re.search(r"```yaml\n(.*?)```", docs_section(), flags=re.S).group(1)
+    path = tmp_path / "lmcache.yaml"
+    path.write_text(pasted(yaml_text, tmp_path / "kv", redis_server.url).replace("chunk_size: 256", "chunk_size: 16"))
+    config = LMCacheEngineConfig.from_file(str(path))
+    config.max_local_cpu_size = 0.01
+    manager = StorageManager(config, engine_metadata(), EventManager())
+    try:
+        plugin = manager.storage_backends[PLUGIN]
+        assert [t.kind for t in plugin.store] == ["disk", "redis"]
+        assert plugin.store.tiers[0].stats().capacity_pages == 64
+    finally:
+        manager.close()
+
+
+def test_the_environment_variables_in_the_docs_build_the_disk_tier(tmp_path, monkeypatch):
+    import re
+    import shlex
+
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    line = next(x for x in docs_section().splitlines() if x.startswith("LMCACHE_CHUNK_SIZE="))
+    for word in shlex.split(pasted(line, tmp_path / "kv", "")):
+        name, _, value = word.partition("=")
+        assert re.fullmatch("LMCACHE_[A-Z_]+", name)
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "16")
+    monkeypatch.setenv("LMCACHE_MAX_LOCAL_CPU_SIZE", "0.01")
+    manager = StorageManager(LMCacheEngineConfig.from_env(), engine_metadata(), EventManager())
+    try:
+        plugin = manager.storage_backends[PLUGIN]
+        assert plugin.store.kind == "disk" and plugin.store.stats().capacity_pages == 64
+    finally:
+        manager.close()
