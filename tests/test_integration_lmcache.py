@@ -177,6 +177,26 @@ def test_an_object_of_several_groups_and_a_narrowed_one_come_back_exactly(tmp_pa
         rig.close()
 
 
+def test_layerwise_keys_and_objects_are_pages_of_their_own(tmp_path):
+    rig = Rig([disk(tmp_path)])
+    try:
+        cpu = rig.manager.storage_backends["LocalCPUBackend"]
+        layers = key(0).split_layers(2)  # LMCache's layer-wise keys: one object per layer
+        objs = []
+        for i in range(2):
+            o = cpu.allocate(torch.Size([5, 2, 16]), torch.float16, fmt=MemoryFormat.KV_T2D)
+            o.raw_data.view(torch.uint8)[: o.get_size()].fill_(i + 1)
+            objs.append(o)
+        want = [image(o) for o in objs]
+        rig.plugin.batched_submit_put_task(layers, objs)
+        rig.settle(layers)
+        assert rig.plugin.batched_contains(layers) == 2 and not rig.plugin.contains(key(0))
+        got = rig.plugin.batched_get_blocking(layers)
+        assert [image(o) for o in got] == want and got[0].metadata.fmt == MemoryFormat.KV_T2D
+    finally:
+        rig.close()
+
+
 def test_put_tasks_are_asynchronous_and_hold_the_object_until_written(tmp_path):
     gate = {"open": False}
 
