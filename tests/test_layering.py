@@ -118,16 +118,16 @@ def _imported_modules(path: pathlib.Path) -> list[str]:
     return mods
 
 
-def test_nothing_imports_the_integrations_and_only_they_import_vllm_or_sglang():
-    """The engine adapters are optional extras: the package installs and runs without vLLM or SGLang, so no
-    module outside ``tiered_kv/integrations`` imports them, and none imports an engine itself."""
+def test_nothing_imports_the_integrations_and_only_they_import_an_engine():
+    """The engine adapters are optional extras: the package installs and runs without vLLM, SGLang or
+    LMCache, so no module outside ``tiered_kv/integrations`` imports them, and none imports an engine itself."""
     root = pathlib.Path(tiered_kv.__file__).parent
     bad = []
     for path in root.rglob("*.py"):
         if package_of(path, root) == "integrations":
             continue
         for mod in _imported_modules(path):
-            if mod.startswith("tiered_kv.integrations") or mod.split(".")[0] in ("vllm", "sglang"):
+            if mod.startswith("tiered_kv.integrations") or mod.split(".")[0] in ("vllm", "sglang", "lmcache"):
                 bad.append(f"{path.relative_to(root)} imports {mod}")
     assert bad == []
     adapters = sorted(p.name for p in (root / "integrations" / "vllm").glob("*.py"))
