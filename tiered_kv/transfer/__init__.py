@@ -1,9 +1,9 @@
 """Layer 1: transfer plans and copy engines.
 
 ``plan``, ``coalesce``, ``engine``, ``controlled``, ``event_handle``,
-``plan_events``, ``availability`` and ``factory`` are standard library only; the
-torch, CUDA and cupy engines live in their own modules and import torch (the
-factory imports them only when it builds one).
+``availability`` and ``factory`` are standard library only; the torch, CUDA and
+cupy engines live in their own modules and import torch (the factory imports
+them only when it builds one).
 """
 
 from tiered_kv.transfer.availability import EngineUnavailableError

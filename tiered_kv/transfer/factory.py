@@ -3,7 +3,7 @@
 ``make_copy_engine(tiers, kind)`` returns:
 
 * ``"cuda"``: :class:`~tiered_kv.transfer.cuda_engine.TorchCudaCopyEngine`;
-* ``"cupy"``: :class:`~tiered_kv.transfer.cupy_engine.CupyCopyEngine`;
+* ``"cupy"``: :class:`~tiered_kv.transfer.cuda_engine.CupyCopyEngine`;
 * ``"cpu"``: :class:`~tiered_kv.transfer.cpu_engine.CpuCopyEngine`;
 * ``"auto"``: the torch CUDA engine when CUDA is available and the GPU tier
   lives on a CUDA device, else the CPU engine.  The cupy engine is never chosen
@@ -108,7 +108,7 @@ def _engine_class(kind: str) -> type[StorageEngineBase]:
 
         return TorchCudaCopyEngine
     if kind == "cupy":
-        from tiered_kv.transfer.cupy_engine import CupyCopyEngine
+        from tiered_kv.transfer.cuda_engine import CupyCopyEngine
 
         return CupyCopyEngine
     from tiered_kv.transfer.cpu_engine import CpuCopyEngine

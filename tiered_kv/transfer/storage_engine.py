@@ -198,7 +198,7 @@ class StorageEngineBase:
     def copy_run_raw(self, runtime: object, plan: TransferPlan, run: CopyRun, stream: int) -> None:
         """Copy one run with raw CUDA calls on ``stream``: one ``cudaMemcpyAsync`` or ``cudaMemcpy2DAsync``.
 
-        ``runtime`` is a :class:`~tiered_kv.transfer.cudart.CudaRuntime`.  In
+        ``runtime`` is a :class:`~tiered_kv.transfer.cuda_engine.CudaRuntime`.  In
         the layer-first layout a run's ``2 * num_layers`` pieces are the rows of
         one 2-D copy: row ``i`` starts at ``(i * num_blocks + start) *
         segment_bytes`` in each tier, so the pitch is the tier's ``num_blocks *

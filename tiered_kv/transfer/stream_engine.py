@@ -12,7 +12,7 @@ else is here, once:
 * **events, not host waits**: every plan records a start and an end event; its
   handle is an :class:`~tiered_kv.transfer.event_handle.EventTransferHandle`,
   ``wait_for`` plans are ordered by stream waits on their end events (kept in a
-  bounded :class:`~tiered_kv.transfer.plan_events.PlanEvents` table), and
+  bounded :class:`~tiered_kv.transfer.event_handle.PlanEvents` table), and
   ``make_compute_wait`` orders compute after a plan (or one of its layers) on
   the device.  No device-wide synchronisation anywhere;
 * **layer by layer**: a plan with ``num_layers`` issues every run's layer ``i``
@@ -38,16 +38,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiered_kv.errors import PlanError, TransferError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.transfer.coalesce import CopyRun
-from tiered_kv.transfer.cudart import CudaRuntime
-from tiered_kv.transfer.event_handle import EventAPI, EventTransferHandle, fail_after_issued, issued_event
+from tiered_kv.transfer.event_handle import EventAPI, EventTransferHandle, PlanEvents, fail_after_issued, issued_event
 from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
-from tiered_kv.transfer.plan_events import PlanEvents
 from tiered_kv.transfer.storage_engine import PreparedPlan, StorageEngineBase
+
+if TYPE_CHECKING:
+    from tiered_kv.transfer.cuda_engine import CudaRuntime
 
 
 @dataclass(slots=True)
