@@ -132,7 +132,7 @@ def test_importing_the_transfer_package_and_its_factory_imports_neither_torch_no
         import sys
         import tiered_kv.transfer
         from tiered_kv.transfer import EngineUnavailableError, make_copy_engine
-        from tiered_kv.transfer import event_handle, availability, factory
+        from tiered_kv.transfer import event_handle, factory
         assert not {"torch", "cupy", "numpy"} & set(sys.modules), sorted(sys.modules)
         """
     )
