@@ -295,16 +295,12 @@ class StreamCopyEngine(StorageEngineBase):
 
     def _copy(self, plan: TransferPlan, run: CopyRun, layer: int | None, stream: Any) -> None:
         """One run (or one layer of it) on ``stream``: raw calls when the runtime loaded, else torch ``copy_``."""
-        runtime = self.runtime
-        if runtime is None:
-            if layer is None:
-                self.copy_run(plan, run, non_blocking=True)
-            else:
-                self.copy_run_layer(plan, run, layer, non_blocking=True)
+        if self.runtime is not None:
+            self.copy_run_raw(self.runtime, plan, run, self._stream_ptr(stream), layer)
         elif layer is None:
-            self.copy_run_raw(runtime, plan, run, self._stream_ptr(stream))
+            self.copy_run(plan, run, non_blocking=True)
         else:
-            self.copy_run_layer_raw(runtime, plan, run, layer, self._stream_ptr(stream))
+            self.copy_run_layer(plan, run, layer, non_blocking=True)
 
     def _issue_whole(self, job: IssueJob) -> None:
         """Every run in one go: one ``cudaMemcpyAsync`` (block-contiguous) or ``cudaMemcpy2DAsync`` (layer-first)."""
