@@ -73,13 +73,14 @@ class IOStats:
 
 
 class HostBlocks:
-    """Memoryviews of the blocks of a CPU-resident :class:`KVStorage`, for I/O that reads or writes them without a copy.
+    """Memoryviews of the blocks of a CPU-resident :class:`KVStorage`, for I/O without a copy.
 
     File reads and writes take Python buffers, so each block is exposed as
     memoryviews over the tensor's memory, in the canonical segment order (layer
     0 K, layer 0 V, layer 1 K, ...): one view for a block-contiguous tier,
-    ``2 * num_layers`` for a layer-first one.  The views point into the tensor's memory, so this object keeps the
-    storage alive; it must not outlive a ``close`` that frees the memory.
+    ``2 * num_layers`` for a layer-first one.  The views point into the
+    tensor's memory, so this object keeps the storage alive; it must not
+    outlive a ``close`` that frees the memory.
 
     Raises:
         StorageError: the storage is not in CPU memory.
