@@ -54,7 +54,7 @@ from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import LLAMA3_8B
 from tiered_kv.tiers.disk_io import DiskIO
 from tiered_kv.tiers.disk_store import DiskStore
-from tiered_kv.tiers.host_blocks import HostBlocks
+from tiered_kv.tiers.io_engine import HostBlocks
 from tiered_kv.tiers.namespace import KVNamespace
 from tiered_kv.transfer.plan import TransferPlan
 

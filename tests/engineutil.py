@@ -49,7 +49,7 @@ def make_engine(kind: str, t: dict[str, KVStorage], **kw):
         from tiered_kv.transfer.cuda_engine import TorchCudaCopyEngine
 
         return TorchCudaCopyEngine(t, **kw)
-    from tiered_kv.transfer.cupy_engine import CupyCopyEngine
+    from tiered_kv.transfer.cuda_engine import CupyCopyEngine
 
     return CupyCopyEngine(t, **kw)
 

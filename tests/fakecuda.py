@@ -184,7 +184,7 @@ def install_fake_cuda(monkeypatch, gpu: FakeGPU | None = None) -> FakeGPU:
 
 def fake_runtime(gpu: FakeGPU):
     """The raw copy calls, done with memmove on the pointers the engine computes (checked byte for byte)."""
-    from tiered_kv.transfer.cudart import CudaRuntime
+    from tiered_kv.transfer.cuda_engine import CudaRuntime
 
     def memcpy(dst: int, src: int, n: int, stream: int) -> None:
         gpu.note("memcpy", gpu.streams[stream], n)

@@ -66,8 +66,7 @@ def test_bench_transfer_never_reports_cpu_copies_under_a_gpu_engine_name(monkeyp
 def test_with_cuda_auto_gives_the_torch_engine_and_cupy_only_by_name(monkeypatch):
     t = on_fake_device(tiers("block_contiguous"))
     install_fake_cupy(monkeypatch)
-    from tiered_kv.transfer.cuda_engine import TorchCudaCopyEngine
-    from tiered_kv.transfer.cupy_engine import CupyCopyEngine
+    from tiered_kv.transfer.cuda_engine import CupyCopyEngine, TorchCudaCopyEngine
 
     assert available_kinds() == ["cpu", "cuda", "cupy"]
     assert type(make_copy_engine(t)) is TorchCudaCopyEngine
@@ -133,7 +132,7 @@ def test_importing_the_transfer_package_and_its_factory_imports_neither_torch_no
         import sys
         import tiered_kv.transfer
         from tiered_kv.transfer import EngineUnavailableError, make_copy_engine
-        from tiered_kv.transfer import event_handle, plan_events, availability, factory
+        from tiered_kv.transfer import event_handle, factory
         assert not {"torch", "cupy", "numpy"} & set(sys.modules), sorted(sys.modules)
         """
     )

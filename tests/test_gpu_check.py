@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 from simutil import TINY
 
-from tiered_kv.bench.gpu_check import CPU_FORM, PARTS
-from tiered_kv.bench.gpu_tests import parse
+from tiered_kv.bench.gpu_check import CPU_FORM, PARTS, parse
+from tiered_kv.bench.overlap import SyncCounter, trace_syncs
 from tiered_kv.bench.report import Deadline, Report
-from tiered_kv.bench.syncs import SyncCounter, trace_syncs
 from tiered_kv.sim.calibration import load_calibration
 from tiered_kv.sim.config import setup, validate_config
 from tiered_kv.sim.simulator import Simulator

@@ -8,7 +8,7 @@ from fakecuda import FakeEvent, install_fake_cuda, install_fake_cupy
 from tiered_kv.errors import InvalidArgumentError, PlanError, TransferError
 from tiered_kv.transfer import CopyRun, PlanKind, TransferPlan, TransferStatus
 from tiered_kv.transfer.cpu_engine import CpuCopyEngine
-from tiered_kv.transfer.cupy_engine import run_byte_ranges
+from tiered_kv.transfer.cuda_engine import run_byte_ranges
 
 LAYOUTS = ["block_contiguous", "layer_first"]
 IDS = [([3, 4, 5, 6], [2, 3, 4, 5], [9, 10, 11, 12]), ([7, 2, 13, 5], [11, 3, 8, 1], [4, 15, 6, 10])]
@@ -30,7 +30,7 @@ def fake_engine(monkeypatch, kind, t, kernel_min_runs=None, **kw):
 
         return gpu, TorchCudaCopyEngine(t, **kw)
     gpu = install_fake_cupy(monkeypatch)
-    from tiered_kv.transfer.cupy_engine import CupyCopyEngine
+    from tiered_kv.transfer.cuda_engine import CupyCopyEngine
 
     if kernel_min_runs is not None:
         kw["kernel_min_runs"] = kernel_min_runs
@@ -101,7 +101,7 @@ def test_torch_cuda_engine_logic(monkeypatch, layout, copy_api):
 def test_cupy_engine_pointer_arithmetic_is_byte_exact(monkeypatch, layout, kernel_min_runs):
     t = tiers(layout)  # real CPU tensors, made before CUDA is faked
     gpu = install_fake_cupy(monkeypatch)
-    from tiered_kv.transfer.cupy_engine import CupyCopyEngine
+    from tiered_kv.transfer.cuda_engine import CupyCopyEngine
 
     eng = CupyCopyEngine(t, kernel_min_runs=kernel_min_runs)
     round_trip(eng, t)

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from tiered_kv.sim.extras import import_extra
 
     import_extra("torch", "this command")
-    from tiered_kv.transfer.availability import cuda_missing
+    from tiered_kv.transfer.factory import cuda_missing
 
     why = cuda_missing()
     if not args.cpu and why is not None:

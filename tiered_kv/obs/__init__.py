@@ -7,7 +7,13 @@ here but :mod:`tiered_kv.obs.prometheus` needs only the standard library; that
 module needs ``prometheus_client`` (the ``metrics`` extra).
 """
 
-from tiered_kv.obs.reasons import REASONS, decision_reason
-from tiered_kv.obs.recorder import LATENCY_BUCKETS_S, LatencyHistogram, MetricsRecorder, Reading
+from tiered_kv.obs.recorder import (
+    LATENCY_BUCKETS_S,
+    REASONS,
+    LatencyHistogram,
+    MetricsRecorder,
+    Reading,
+    decision_reason,
+)
 
 __all__ = ["LATENCY_BUCKETS_S", "REASONS", "LatencyHistogram", "MetricsRecorder", "Reading", "decision_reason"]

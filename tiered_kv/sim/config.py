@@ -40,10 +40,6 @@ if TYPE_CHECKING:
 GIB = 1 << 30
 DEFAULT_CONFIG = "oversubscribed-llama3-8b-h200"  # the main experiment, shipped in configs/
 __all__ = [
-    "DEFAULT_RUNS",  # the schema's names, kept importable from here for existing callers
-    "REGIME_SCHEMA",
-    "RUN_SCHEMA",
-    "SCHEMA",
     "RunSetup",
     "config_from_raw",
     "derived_fields",

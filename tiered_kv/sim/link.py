@@ -164,7 +164,6 @@ class SimLink:
         self.on_submit: Callable[[CopyJob], None] | None = None
         self._last = 0.0
         self._early_new: list[CopyJob] = []
-        self.bytes_moved = 0
         self.copies_issued = 0
 
     # ----------------------------------------------------------- CopyEngine
@@ -191,7 +190,6 @@ class SimLink:
         handle.status = TransferStatus.RUNNING
         if self.failure_rate and self._rng.random() < self.failure_rate:
             job.fail = True
-        self.bytes_moved += nbytes
         self.copies_issued += copies
         if self.jobs is not None:
             self.jobs.append(job)
@@ -339,7 +337,3 @@ class SimLink:
             d = ce - cs
             end = max(end, cs + d / num_layers + step_s, ce + step_s / num_layers)
         return end
-
-
-# The simulator's copy engine under its older name.
-SimCopyEngine = SimLink

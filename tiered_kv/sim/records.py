@@ -17,10 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from tiered_kv.sim.files import write_text
 
 
 @dataclass(slots=True)
@@ -69,7 +66,3 @@ def jsonl(records: Iterable[RequestRecord], extra: dict[str, Any] | None = None)
     rows = sorted(records, key=lambda r: (r.arrival, r.rid))
     more = extra or {}
     return "".join(json.dumps({**r.row(), **more}, sort_keys=True) + "\n" for r in rows)
-
-
-def write_jsonl(path: Path, records: Iterable[RequestRecord], what: str = "--requests") -> None:
-    write_text(path, jsonl(records), what)

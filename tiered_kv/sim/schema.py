@@ -84,10 +84,6 @@ def power_of_two(v: Any) -> str | None:
     return None if v > 0 and v & (v - 1) == 0 else f"must be a power of two, got {v}"
 
 
-def finite(v: Any) -> str | None:
-    return None if math.isfinite(v) else f"must be finite, got {v}"
-
-
 NUM = (int, float)
 
 

@@ -2,7 +2,7 @@
 
 The tier I/O engines stage through the CPU tier's memory.  In tiered_kv's own
 stack that memory is a :class:`~tiered_kv.storage.kv_storage.KVStorage` and a
-block is gathered from its segments (:class:`~tiered_kv.tiers.host_blocks.HostBlocks`).
+block is gathered from its segments (:class:`~tiered_kv.tiers.io_engine.HostBlocks`).
 A host that owns its CPU memory itself (vLLM's CPU offloading tier, whose
 region is a shared ``mmap``) hands over only bytes: a two-dimensional
 memoryview of ``num_chunks`` rows, or a CPU tensor of the same shape.  This

@@ -72,17 +72,14 @@ class ControlledCopyEngine:
         A plan whose ``wait_for`` plans are still pending cannot complete: a real
         engine orders it after them, so the test must complete those first.
         """
-        handle = self.pending.get(plan_id)
-        if handle is not None:
-            blocked = [w for w in handle.plan.wait_for if w in self.pending]
-            if blocked:
-                raise PlanError(f"plan {plan_id} must wait for plan(s) {blocked} to finish first")
         pending = self.pending.get(plan_id)
-        if pending is not None and pending.num_opened < pending.plan.num_layers:
-            raise PlanError(
-                f"plan {plan_id} is gated and layer {pending.num_opened} is not opened: "
-                "its source is not written yet, so it cannot be copied"
-            )
+        if pending is not None:
+            self._check_unblocked(pending)
+            if pending.num_opened < pending.plan.num_layers:
+                raise PlanError(
+                    f"plan {plan_id} is gated and layer {pending.num_opened} is not opened: "
+                    "its source is not written yet, so it cannot be copied"
+                )
         handle = self._take(plan_id)
         handle.mark_running()
         for layer in range(handle.plan.num_layers):
@@ -100,9 +97,7 @@ class ControlledCopyEngine:
             raise PlanError(f"plan {plan_id} is not pending in this engine")
         if not 0 <= layer < handle.plan.num_layers:
             raise PlanError(f"plan {plan_id} has no layer {layer} (it has {handle.plan.num_layers})")
-        blocked = [w for w in handle.plan.wait_for if w in self.pending]
-        if blocked:
-            raise PlanError(f"plan {plan_id} must wait for plan(s) {blocked} to finish first")
+        self._check_unblocked(handle)
         if layer >= handle.num_opened:
             raise PlanError(f"plan {plan_id}: layer {layer} is not opened yet (its source is not written)")
         handle.mark_running()
@@ -117,6 +112,11 @@ class ControlledCopyEngine:
             return
         handle._check_open(layer)
         handle._open(layer)
+
+    def _check_unblocked(self, handle: TransferHandle) -> None:
+        blocked = [w for w in handle.plan.wait_for if w in self.pending]
+        if blocked:
+            raise PlanError(f"plan {handle.plan.plan_id} must wait for plan(s) {blocked} to finish first")
 
     def _land_layer(self, handle: TransferHandle, layer: int) -> None:
         if self.on_complete_layer is not None:

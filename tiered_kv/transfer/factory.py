@@ -1,22 +1,22 @@
-"""The one place that chooses a copy engine.
+"""The one place that chooses a copy engine, and which engines this machine can run.
 
 ``make_copy_engine(tiers, kind)`` returns:
 
 * ``"cuda"``: :class:`~tiered_kv.transfer.cuda_engine.TorchCudaCopyEngine`;
-* ``"cupy"``: :class:`~tiered_kv.transfer.cupy_engine.CupyCopyEngine`;
+* ``"cupy"``: :class:`~tiered_kv.transfer.cuda_engine.CupyCopyEngine`;
 * ``"cpu"``: :class:`~tiered_kv.transfer.cpu_engine.CpuCopyEngine`;
 * ``"auto"``: the torch CUDA engine when CUDA is available and the GPU tier
   lives on a CUDA device, else the CPU engine.  The cupy engine is never chosen
   by itself: it is an alternative to measure, not a better default.
 
 An engine that was asked for by name and cannot run here raises
-:class:`~tiered_kv.transfer.availability.EngineUnavailableError` naming what is
-missing; nothing falls back to the CPU engine, so a CPU engine's numbers can
-never be reported under a GPU engine's name.  For the same reason a device
-engine refuses a GPU tier held in host memory.
+:class:`EngineUnavailableError` naming what is missing; nothing falls back to
+the CPU engine, so a CPU engine's numbers can never be reported under a GPU
+engine's name (wrong data, not a degraded result).  For the same reason a
+device engine refuses a GPU tier held in host memory.
 
-torch and cupy are imported only when an engine is built, so importing this
-module needs the standard library alone.
+torch and cupy are imported only when an engine is built or a probe runs, so
+importing this module needs the standard library alone.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tiered_kv import checks
-from tiered_kv.errors import ConfigError, InvalidArgumentError
-from tiered_kv.transfer.availability import DEVICE_KINDS, missing, require
+from tiered_kv.errors import ConfigError, InvalidArgumentError, TransferError
 
 if TYPE_CHECKING:
     from tiered_kv.storage.kv_storage import KVStorage
@@ -36,8 +35,58 @@ if TYPE_CHECKING:
 #: Accepted values of ``kind``.
 KINDS = ("auto", "cpu", "cuda", "cupy")
 ENGINE_KINDS = KINDS[1:]  # the engines themselves: "auto" picks one of them
+#: Engine kinds that need a CUDA device.
+DEVICE_KINDS = ("cuda", "cupy")
 
 _CLASS_NAMES = {"cpu": "CpuCopyEngine", "cuda": "TorchCudaCopyEngine", "cupy": "CupyCopyEngine"}
+
+
+class EngineUnavailableError(TransferError):
+    """A copy engine was asked for on a machine that cannot run it (no CUDA, no cupy)."""
+
+
+def cuda_missing() -> str | None:
+    """Why torch cannot drive CUDA here, or ``None`` when it can."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return f"torch {torch.__version__} ({build}) sees no CUDA device"
+    return None
+
+
+def cupy_missing() -> str | None:
+    """Why cupy cannot drive CUDA here, or ``None`` when it can."""
+    try:
+        import cupy
+    except Exception as exc:  # a broken install raises more than ImportError
+        return f"cupy is not importable ({exc}); install it with pip install 'tiered-kv[cupy]'"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver: cupy raises its own CUDARuntimeError
+        return f"cupy sees no CUDA device ({exc})"
+    if count < 1:
+        return "cupy sees no CUDA device"
+    return None
+
+
+def missing(kind: str) -> str | None:
+    """Why the engine ``kind`` ("cpu", "cuda" or "cupy") cannot run here, or ``None``."""
+    if kind == "cuda":
+        return cuda_missing()
+    if kind == "cupy":
+        # The tiers are torch tensors, so the cupy engine needs torch's CUDA as well.
+        return cupy_missing() or cuda_missing()
+    return None
+
+
+def require(kind: str, engine_name: str) -> None:
+    """Raise :class:`EngineUnavailableError` naming what ``engine_name`` lacks here."""
+    reason = missing(kind)
+    if reason is not None:
+        raise EngineUnavailableError(f"{engine_name} cannot run here: {reason}")
 
 
 def available_kinds() -> list[str]:
@@ -108,7 +157,7 @@ def _engine_class(kind: str) -> type[StorageEngineBase]:
 
         return TorchCudaCopyEngine
     if kind == "cupy":
-        from tiered_kv.transfer.cupy_engine import CupyCopyEngine
+        from tiered_kv.transfer.cuda_engine import CupyCopyEngine
 
         return CupyCopyEngine
     from tiered_kv.transfer.cpu_engine import CpuCopyEngine

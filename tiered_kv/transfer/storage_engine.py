@@ -166,60 +166,42 @@ class StorageEngineBase:
                 s[run.src_start : run.src_start + run.length], non_blocking=non_blocking
             )
 
-    def copy_run_layer_raw(self, runtime: object, plan: TransferPlan, run: CopyRun, layer: int, stream: int) -> None:
-        """One layer of one run with one ``cudaMemcpy2DAsync``.
+    def copy_run_raw(
+        self, runtime: object, plan: TransferPlan, run: CopyRun, stream: int, layer: int | None = None
+    ) -> None:
+        """Copy one run (or one layer of it) with one raw CUDA call on ``stream``.
 
-        Block-contiguous: a row per block of the run, ``2 * segment_bytes`` wide
-        (the layer's K then V), the pitch one block.  Layer-first: two rows (K
-        and V), ``length * segment_bytes`` wide, the pitch ``num_blocks *
-        segment_bytes``.
+        ``runtime`` is a :class:`~tiered_kv.transfer.cuda_engine.CudaRuntime`.
+        Block-contiguous: the whole run is one ``cudaMemcpyAsync``; one layer
+        is a ``cudaMemcpy2DAsync`` with a row per block, ``2 * segment_bytes``
+        wide (the layer's K then V), the pitch one block.  Layer-first: a run's
+        ``2 * num_layers`` pieces (a layer's two) are the rows of one 2-D copy:
+        row ``i`` starts at ``(i * num_blocks + start) * segment_bytes`` in each
+        tier, so the pitch is the tier's ``num_blocks * segment_bytes`` (see
+        :func:`tiered_kv.storage.spec.segment_offsets`).
         """
         if self.copy_hook is not None:
             self.copy_hook(plan, run)
         src, dst = self.tiers[plan.src_medium], self.tiers[plan.dst_medium]
         sb, db, seg = src.kv.data_ptr(), dst.kv.data_ptr(), self.spec.segment_bytes
         if self.layout == "block_contiguous":
-            b, off = self.bytes_per_block, 2 * layer * seg
+            b = self.bytes_per_block
+            if layer is None:
+                runtime.memcpy_async(db + run.dst_start * b, sb + run.src_start * b, run.length * b, stream)  # type: ignore[attr-defined]
+                return
+            off = 2 * layer * seg
             runtime.memcpy2d_async(  # type: ignore[attr-defined]
                 db + run.dst_start * b + off, b, sb + run.src_start * b + off, b, 2 * seg, run.length, stream
             )
             return
-        row = 2 * layer
+        row, rows = (0, 2 * self.spec.num_layers) if layer is None else (2 * layer, 2)
         runtime.memcpy2d_async(  # type: ignore[attr-defined]
             db + (row * dst.num_blocks + run.dst_start) * seg,
             dst.num_blocks * seg,
             sb + (row * src.num_blocks + run.src_start) * seg,
             src.num_blocks * seg,
             run.length * seg,
-            2,
-            stream,
-        )
-
-    def copy_run_raw(self, runtime: object, plan: TransferPlan, run: CopyRun, stream: int) -> None:
-        """Copy one run with raw CUDA calls on ``stream``: one ``cudaMemcpyAsync`` or ``cudaMemcpy2DAsync``.
-
-        ``runtime`` is a :class:`~tiered_kv.transfer.cudart.CudaRuntime`.  In
-        the layer-first layout a run's ``2 * num_layers`` pieces are the rows of
-        one 2-D copy: row ``i`` starts at ``(i * num_blocks + start) *
-        segment_bytes`` in each tier, so the pitch is the tier's ``num_blocks *
-        segment_bytes`` (see :func:`tiered_kv.storage.spec.segment_offsets`).
-        """
-        if self.copy_hook is not None:
-            self.copy_hook(plan, run)
-        src, dst = self.tiers[plan.src_medium], self.tiers[plan.dst_medium]
-        sb, db = src.kv.data_ptr(), dst.kv.data_ptr()
-        if self.layout == "block_contiguous":
-            b = self.bytes_per_block
-            runtime.memcpy_async(db + run.dst_start * b, sb + run.src_start * b, run.length * b, stream)  # type: ignore[attr-defined]
-            return
-        seg = self.spec.segment_bytes
-        runtime.memcpy2d_async(  # type: ignore[attr-defined]
-            db + run.dst_start * seg,
-            dst.num_blocks * seg,
-            sb + run.src_start * seg,
-            src.num_blocks * seg,
-            run.length * seg,
-            2 * self.spec.num_layers,
+            rows,
             stream,
         )
 
