@@ -50,6 +50,8 @@ class EngineStats:
     compute_s: float = 0.0
     recompute_s: float = 0.0
     wait_s: float = 0.0
+    wall_s: float = 0.0
+    layer_wait_s: float = 0.0  # host time spent waiting for layers of layer-wise loads (CPU engines)
     # (tokens, attention units, KV tokens, requests, step seconds, of which model compute) per computing step
     step_log: list[tuple[int, float, float, int, float, float]] = field(default_factory=list)
 
@@ -261,14 +263,19 @@ class Engine:
         if isinstance(handle, EventTransferHandle) and handle.event is not None:
             self.copy.make_compute_wait(handle, layer=layer)  # type: ignore[attr-defined]
             return True  # the device waits; the host goes on issuing the layers before
-        return handle.wait_layer(layer)
+        t0 = time.perf_counter()
+        ok = handle.wait_layer(layer)
+        self.stats.layer_wait_s += time.perf_counter() - t0
+        return ok
 
     def run(self, max_steps: int = 1_000_000) -> dict[Hashable, list[int]]:
         """Step until every request finished, then let copies in flight land; return the tokens per request."""
+        t0 = time.perf_counter()
         for _ in range(max_steps):
             if not self.step():
                 break
         self.scheduler.drain(10)
+        self.stats.wall_s += time.perf_counter() - t0
         self._publish_metrics()
         return self.outputs
 
