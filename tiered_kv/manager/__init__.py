@@ -1,7 +1,6 @@
 """Layer 2: where KV lives.  The tier manager, copies in flight, pricing and victim policies.
 
-The CPU store and the stores below it live beside the manager in :mod:`tiered_kv.tiers`; their
-names are re-exported here for the manager's users.
+The CPU store and the stores below it live beside the manager in :mod:`tiered_kv.tiers`.
 """
 
 from tiered_kv.manager.bounded_log import BoundedLog
@@ -22,17 +21,12 @@ from tiered_kv.manager.victim_policy import (
     get_victim_policy,
     select_victims,
 )
-from tiered_kv.tiers.cpu_store import CPUStore
-from tiered_kv.tiers.link import TierLink
-from tiered_kv.tiers.store import BlockStore, LoadStoreSpec, LookupResult, PrepareStoreOutput, StoreEvent
 from tiered_kv.transfer.plan import PlanKind
 
 __all__ = [
     "VICTIM_POLICIES",
     "Admission",
-    "BlockStore",
     "BoundedLog",
-    "CPUStore",
     "Candidate",
     "Completion",
     "CostAwarePolicy",
@@ -42,21 +36,16 @@ __all__ = [
     "LastAdmittedPolicy",
     "LoadDecision",
     "LoadQuote",
-    "LoadStoreSpec",
-    "LookupResult",
     "LowerTierCounters",
     "MetricsSnapshot",
     "PlanKind",
     "PreemptMode",
     "Preemption",
     "PrefillAwarePolicy",
-    "PrepareStoreOutput",
     "Quote",
     "Residency",
     "Resumption",
-    "StoreEvent",
     "TierCounters",
-    "TierLink",
     "TierManager",
     "VictimPolicy",
     "get_victim_policy",

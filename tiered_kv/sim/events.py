@@ -42,15 +42,6 @@ class EventLoop:
     def peek_time(self) -> float | None:
         return self._heap[0][0] if self._heap else None
 
-    def pop_due(self) -> list[tuple[float, str, Any]]:
-        """Remove and return every event due at or before ``now``, in order."""
-        out = []
-        heap = self._heap
-        while heap and heap[0][0] <= self.now:
-            t, _, kind, payload = heapq.heappop(heap)
-            out.append((t, kind, payload))
-        return out
-
     def pop_until(self, time: float, before: bool = False) -> tuple[float, str, Any] | None:
         """Remove and return the next event due at or before ``time`` (strictly before, with ``before``).
 

@@ -17,10 +17,9 @@ shipped YAML:
   :mod:`~tiered_kv.sim.tier_config`): each one's bandwidth and per-block latency.
 
 No physical number has a default: a profile that leaves one out would
-otherwise simulate some other machine or model (``name: L4`` alone used to get
-an 80 GiB GPU).  Every such field is required, or derived from fields that are
-given by one of these rules, which the profile records in ``derived`` so that
-a run prints them:
+otherwise simulate some other machine or model.  Every such field is required,
+or derived from fields that are given by one of these rules, which the profile
+records in ``derived`` so that a run prints them:
 
 * ``link.d2h_gbps``: the host-to-device bandwidth (a symmetric link);
 * ``link.bidir_gbps``: ``h2d + d2h`` (a full-duplex link with no shared cap);

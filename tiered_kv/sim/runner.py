@@ -29,12 +29,9 @@ from tiered_kv.sim.progress import Progress
 from tiered_kv.sim.records import jsonl
 from tiered_kv.sim.report import kv_demand, plot, regime_verdict, table, write_json
 from tiered_kv.sim.simulator import Simulator
-from tiered_kv.sim.sweep import sweep
 from tiered_kv.sim.tier_report import has_tiers, tier_table
 from tiered_kv.sim.timeline import chrome_trace
 from tiered_kv.sim.workload import SimRequest, generate
-
-__all__ = ["simulate", "sweep"]  # sweep lives in its own module; re-exported for existing callers
 
 
 @dataclass(frozen=True)
