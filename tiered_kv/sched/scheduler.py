@@ -25,9 +25,7 @@ admitted requests:
    whose KV is whole on the GPU at once (every block still cached there) is
    scheduled in the same step, as vLLM schedules a resumed request; with
    ``layerwise`` so is one whose KV is still landing, computing while it
-   lands layer by layer (``SchedulerOutput.loads``).  A request computes
-   between two preemptions: one that became runnable and has not computed
-   since is never a victim (see below).
+   lands layer by layer (``SchedulerOutput.loads``).
 4. Waiting requests are admitted (FCFS, or by priority), unless requests are
    swapped out or this step preempted.
 
@@ -209,20 +207,14 @@ class Scheduler:
                     self.running.remove(req)
                     self.status[rid] = S.SWAPPED
                     self.swapped.appendleft(req)
-            elif c.kind is PlanKind.SWAP_IN:
-                if c.ok:
-                    req.num_computed_tokens = c.num_tokens
-                    self.status[rid] = S.RUNNING
-                    self.running.append(req)
-                    self._fresh.add(rid)
-                else:
-                    self.status[rid] = S.SWAPPED
-                    self.swapped.appendleft(req)
-            elif c.ok:  # onboarding landed: its GPU hits and the loaded prefix count as computed
+            elif c.ok:  # a swap-in, or an onboarding (its GPU hits and the loaded prefix count as computed)
                 req.num_computed_tokens = c.num_tokens
                 self.status[rid] = S.RUNNING
                 self.running.append(req)
                 self._fresh.add(rid)
+            elif c.kind is PlanKind.SWAP_IN:
+                self.status[rid] = S.SWAPPED
+                self.swapped.appendleft(req)
             else:  # onboarding failed: the manager holds nothing; recompute from scratch
                 req.num_computed_tokens = 0
                 self.status[rid] = S.WAITING
