@@ -146,7 +146,6 @@ class MetricsSnapshot:
 
 def snapshot(
     counters: TierCounters,
-    submitted: int,
     in_flight: int,
     pool: BlockPool,
     store: BlockStore | None,
@@ -154,16 +153,12 @@ def snapshot(
     lower_tiers: Mapping[str, LowerTierCounters] | None = None,
     chain_lost_blocks: int = 0,
 ) -> MetricsSnapshot:
-    """A snapshot of the manager's counters (copied) and of the tiers' gauges now."""
+    """A snapshot of the manager's live counters (copied) and of the tiers' gauges now."""
     by_residency: dict[str, int] = {}
     for r in residencies:
         by_residency[r.value] = by_residency.get(r.value, 0) + 1
-    c = counters.copy()
-    c.plans_submitted = submitted
-    if store is not None:
-        c.cpu_blocks_evicted = store.stats.evictions
     return MetricsSnapshot(
-        counters=c,
+        counters=counters.copy(),
         gpu_blocks=pool.num_blocks - 1,
         cpu_blocks=store.num_blocks - 1 if store is not None else 0,
         gpu_usage=pool.get_usage(),

@@ -823,7 +823,7 @@ class TierManager:
         residencies = [h.residency for h in self._held.values()]
         t, low, pool = self.transfers, self._lower, self.gpu.block_pool
         lower = (low.counters, low.lost_blocks) if low is not None else ({}, 0)
-        return snapshot(self.counters, t.submitted, len(t), pool, self.store, residencies, *lower)
+        return snapshot(self.counters, len(t), pool, self.store, residencies, *lower)
 
     @exclusive
     def check_invariants(self) -> None:
