@@ -491,14 +491,7 @@ class TierManager:
         h = self._get(request_id, Residency.GPU)
         if self.offload != "write_through":
             return None
-        req = h.request
-        upto = min(req.num_computed_tokens, req.num_prompt_tokens) // self.block_size
-        if upto <= h.num_stored_blocks:
-            return None
-        assert self._off is not None
-        t = self._off.write_through(req, h.num_stored_blocks, upto)
-        h.num_stored_blocks = upto
-        return t.plan if t is not None else None
+        return self._store_prompt_blocks(h, h.request.num_computed_tokens)
 
     @exclusive
     def start_layerwise_store(self, request_id: Hashable, num_tokens_after_step: int) -> TransferPlan | None:
@@ -523,11 +516,15 @@ class TierManager:
             return None
         if not callable(getattr(self.transfers.engine, "open_layer", None)):
             return None
-        upto = min(num_tokens_after_step, req.num_prompt_tokens) // self.block_size
+        return self._store_prompt_blocks(h, num_tokens_after_step, self.num_layers)
+
+    def _store_prompt_blocks(self, h: Held, num_tokens: int, gated_layers: int = 0) -> TransferPlan | None:
+        """Store the full prompt blocks within the first ``num_tokens`` that are not stored yet."""
+        upto = min(num_tokens, h.request.num_prompt_tokens) // self.block_size
         if upto <= h.num_stored_blocks:
             return None
         assert self._off is not None
-        t = self._off.write_through(req, h.num_stored_blocks, upto, gated_layers=self.num_layers)
+        t = self._off.write_through(h.request, h.num_stored_blocks, upto, gated_layers)
         h.num_stored_blocks = upto
         return t.plan if t is not None else None
 
