@@ -119,15 +119,21 @@ class KVCacheManager:
         req, n_tok, n_comp, computed, n_ahead, _ = self._check_allocation(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens, False
         )
-        have = self.req_to_blocks.get(req.request_id)
-        n_have = len(have) if have is not None else 0
-        hits = computed if computed is not None else []
-        total = req.num_computed_tokens + n_comp + n_tok + n_ahead
+        n_new, n_evictable = self._blocks_needed(
+            req, self.req_to_blocks.get(req.request_id), n_comp + n_tok + n_ahead, computed or []
+        )
+        return n_new + n_evictable
+
+    def _blocks_needed(
+        self, request: Request, req_blocks: list[KVCacheBlock] | None, num_tokens: int, hits: list[KVCacheBlock]
+    ) -> tuple[int, int]:
+        """(new blocks, evictable prefix hits) that ``num_tokens`` more tokens after ``hits`` take from the pool."""
+        total = request.num_computed_tokens + num_tokens
         if self.max_model_len is not None:
             total = min(total, self.max_model_len)
-        needed = -(-total // self.block_size) - n_have - len(hits)
-        evictable = sum(1 for b in hits if b.ref_cnt == 0)
-        return max(needed, 0) + evictable
+        n_have = (len(req_blocks) if req_blocks is not None else 0) + len(hits)
+        n_new = max(-(-total // self.block_size) - n_have, 0)
+        return n_new, sum(1 for b in hits if b.ref_cnt == 0)
 
     # Like vLLM's allocate_slots it checks every argument before it changes anything, then
     # touches hits, hands out blocks and caches, in that order: the all-or-nothing checks sit
@@ -280,18 +286,8 @@ class KVCacheManager:
                 )
             self._check_prefix_hits(request, "new_computed_blocks", computed)
         num_computed = request.num_computed_tokens + n_comp
-        total = num_computed + n_tokens + n_ahead
-        if self.max_model_len is not None:
-            total = min(total, self.max_model_len)
-        n_have = (len(req_blocks) if req_blocks is not None else 0) + len(computed)
-        n_new = -(-total // bs) - n_have
-        if n_new < 0:
-            n_new = 0
+        n_new, n_evictable = self._blocks_needed(request, req_blocks, n_comp + n_tokens + n_ahead, computed)
         pool = self.block_pool
-        n_evictable = 0
-        for b in computed:
-            if b.ref_cnt == 0:
-                n_evictable += 1
         if n_new + n_evictable > pool.free_block_queue.num_free_blocks:
             return None
 
