@@ -23,16 +23,12 @@ from pathlib import Path
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
-# The hot path, compiled together (calls between compiled modules are native; a compiled
-# module called from interpreted code boxes every int it hands over, so a hot caller left
-# interpreted is slower than no compilation at all):
-# - the bookkeeping core: blocks, free queue, pool, KV cache manager, request, counters.  Hashing
-#   is left out: it is bound by hashlib, and compiling it measured no faster;
-# - the scheduler and the tier manager, every module of each;
-# - the simulator's event loop, step-time model, link and per-request records.
-# Left interpreted: the stores below the GPU (tiers/), the copy engines (transfer/), config
-# parsing, workload generation and reporting: set-up or cold paths.  The list and its
-# numbers are in docs/benchmarks.md.
+# The hot bookkeeping: blocks, free queue, pool, manager, request, counters.  Hashing
+# is left out: it is bound by hashlib, and compiling it measured no faster.  The scheduler,
+# the tier manager and the simulator's loop type-check strictly too (pyproject's
+# [tool.mypy] files) but stay interpreted: compiled, their int-typed public arguments
+# raise mypyc's bare TypeError before the package's own checks run (docs/benchmarks.md,
+# "Simulator speed", says what compiling them needs).
 COMPILED = [
     "tiered_kv/core/block.py",
     "tiered_kv/core/compile_hints.py",
@@ -43,16 +39,6 @@ COMPILED = [
     "tiered_kv/core/request.py",
     "tiered_kv/core/kv_cache_manager.py",
     "tiered_kv/core/stats.py",
-    *(f"tiered_kv/sched/{m}.py" for m in ("config", "output", "status", "scheduler")),
-    *(
-        f"tiered_kv/manager/{m}.py"
-        for m in (
-            "bounded_log", "cost_model", "demotion", "invariants", "metrics", "offload", "outcomes",
-            "preempt_bounds", "pricing", "states", "swap", "tier_checks", "tier_manager", "tier_moves",
-            "transfers", "victim_policy",
-        )
-    ),  # fmt: skip
-    *(f"tiered_kv/sim/{m}.py" for m in ("events", "compute", "link", "records", "simulator")),
 ]
 MYPY = "mypy==2.4.1"  # mypyc ships inside mypy; pinned so that every build compiles the same C
 

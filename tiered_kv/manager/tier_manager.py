@@ -34,7 +34,6 @@ from typing import Any, TypeVar
 
 from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
-from tiered_kv.core.compile_hints import mypyc_attr
 from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
@@ -132,8 +131,6 @@ def _check_engine_tiers(engine: CopyEngine, num_gpu_blocks: object, num_cpu_bloc
             )
 
 
-# Subclassed by plug-ins and tests (a compiled class refuses interpreted subclasses without this).
-@mypyc_attr(allow_interpreted_subclasses=True)
 class TierManager:
     """A prefix-cached GPU pool and a CPU store under one manager.
 

@@ -24,7 +24,6 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from tiered_kv import checks
-from tiered_kv.core.compile_hints import mypyc_attr
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.pricing import Quote
@@ -97,8 +96,6 @@ class Candidate:
         return f"Candidate({self.request_id!r}, rank={self.rank}, blocks={self.num_gpu_blocks})"
 
 
-# Subclassed by plug-ins and tests (a compiled class refuses interpreted subclasses without this).
-@mypyc_attr(allow_interpreted_subclasses=True)
 class VictimPolicy:
     """Base class: rank candidates by :meth:`key` (smallest first = preempted first)."""
 

@@ -52,7 +52,6 @@ from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 
 from tiered_kv import checks
-from tiered_kv.core.compile_hints import mypyc_attr
 from tiered_kv.core.request import Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
 from tiered_kv.manager.metrics import MetricsSnapshot
@@ -68,8 +67,6 @@ from tiered_kv.transfer.plan import PlanKind, TransferHandle
 S = RequestStatus
 
 
-# Subclassed by plug-ins and tests (a compiled class refuses interpreted subclasses without this).
-@mypyc_attr(allow_interpreted_subclasses=True)
 class Scheduler:
     """Continuous batching with preemption by swap or recompute.
 

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, cast
 
-from tiered_kv.core.compile_hints import mypyc_attr
 from tiered_kv.core.request import Request
 from tiered_kv.errors import TieredKVError
 from tiered_kv.manager.states import PreemptMode
@@ -34,7 +33,6 @@ from tiered_kv.transfer.plan import PlanKind
 GB = 1e9
 
 
-@mypyc_attr(native_class=False)  # an exception with two bases: a plain Python class
 class SimulationError(TieredKVError, RuntimeError):
     """The simulation cannot make progress (for example, a swap-only run with the link down)."""
 
@@ -439,7 +437,9 @@ class Simulator:
         transfer_s = sum(e - s for s, e, _, _ in intervals)
         hidden = overlap_seconds([(s, e) for s, e, _, _ in intervals], busy)
         stride = max(1, len(usage) // self.usage_points)
-        st = self.setup
+        # Untyped: each field is copied as the set-up holds it (compiled, a typed read would turn
+        # a whole number of GiB given as an int into a float, and the document would change).
+        st: Any = self.setup
         return {
             "run": st.name,
             "victim_policy": st.victim_policy,
