@@ -14,7 +14,7 @@ Every run's results document (every field of every run but its wall time) is has
 digests of all variants must be identical, or the script says so and exits 1.  The event
 traces are compared by ``bench_sim.py --digest`` (run it in each tree).
 
-Usage: python benchmarks/bench_speed.py --baseline PATH [--rounds 3] [--config NAME] [--requests N]
+Usage: python benchmarks/bench_speed.py --baseline PATH [--rounds 3] [--config NAME] [--requests N] [--extra NAME=PATH]
 """
 
 from __future__ import annotations
@@ -75,12 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="requests per regime (default: the config's)")
     ap.add_argument("--compiled", type=Path, default=ROOT / "build" / "compiled", help="the mypyc build's tree")
     ap.add_argument("--no-compiled", action="store_true", help="leave the compiled build out")
+    ap.add_argument(
+        "--extra", action="append", default=[], metavar="NAME=PATH", help="another tree to run (repeatable)"
+    )
     args = ap.parse_args(argv)
     variants = {"baseline": args.baseline, "pure": ROOT}
     if not args.no_compiled:
         if not (args.compiled / "tiered_kv").is_dir():
             raise SystemExit(f"no compiled build at {args.compiled}: run scripts/build-compiled-core.sh")
         variants["compiled"] = args.compiled
+    for spec in args.extra:
+        name, _, path = spec.partition("=")
+        variants[name] = Path(path)
     rows: dict[str, list[dict[str, object]]] = {name: [] for name in variants}
     for k in range(args.rounds):
         for name, path in variants.items():
@@ -114,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     print(f"load average at the end: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f} on {os.cpu_count()} cores")
     if len(digests) != 1:
-        print(f"DIGESTS DIFFER: {sorted(digests)}")
+        for name in variants:
+            print(f"DIGESTS DIFFER: {name}: {sorted({str(r['digest']) for r in rows[name]})}")
         return 1
     print(f"results digests identical across every variant and round: {digests.pop()}")
     return 0
