@@ -118,17 +118,19 @@ def _imported_modules(path: pathlib.Path) -> list[str]:
     return mods
 
 
-def test_nothing_imports_the_integrations_and_only_they_import_vllm():
-    """The vLLM adapters are an optional extra: the package installs and runs without vLLM, so no module
-    outside ``tiered_kv/integrations`` imports them, and none imports vLLM itself."""
+def test_nothing_imports_the_integrations_and_only_they_import_an_engine():
+    """The engine adapters are optional extras: the package installs and runs without vLLM, SGLang or
+    LMCache, so no module outside ``tiered_kv/integrations`` imports them, and none imports an engine itself."""
     root = pathlib.Path(tiered_kv.__file__).parent
     bad = []
     for path in root.rglob("*.py"):
         if package_of(path, root) == "integrations":
             continue
         for mod in _imported_modules(path):
-            if mod.startswith("tiered_kv.integrations") or mod.split(".")[0] == "vllm":
+            if mod.startswith("tiered_kv.integrations") or mod.split(".")[0] in ("vllm", "sglang", "lmcache"):
                 bad.append(f"{path.relative_to(root)} imports {mod}")
     assert bad == []
     adapters = sorted(p.name for p in (root / "integrations" / "vllm").glob("*.py"))
     assert {"disk_tier.py", "redis_tier.py", "store_tier.py", "spec.py", "manager.py"} <= set(adapters)
+    sglang = sorted(p.name for p in (root / "integrations" / "sglang").glob("*.py"))
+    assert {"backend.py", "config.py"} <= set(sglang)

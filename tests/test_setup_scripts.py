@@ -35,10 +35,8 @@ def test_run_main_sets_up_the_sim_extra_only():
 
 def test_an_unknown_set_is_refused():
     r = sh("bash", "scripts/setup-venv.sh", "everything", check=False)
-    assert (
-        r.returncode == 2
-        and r.stderr == "setup-venv.sh: unknown set 'everything' (give sim, vllm, or nothing for the test set)\n"
-    )
+    want = "setup-venv.sh: unknown set 'everything' (give sim, vllm, sglang, lmcache, or nothing for the test set)\n"
+    assert r.returncode == 2 and r.stderr == want
 
 
 @pytest.mark.slow

@@ -114,3 +114,20 @@ def test_per_seq_and_allreduce_terms():
     )
     assert hw.allreduce.seconds(big, 1) == 0.0
     assert ComputeModel(hw, load_model("llama3-8b")).allreduce_time(8192) == 0.0  # one GPU: nothing to reduce
+
+
+def test_the_a100_all_reduce_is_nvlink3s_not_the_h100s():
+    # Llama-3-70B at TP4 on A100s: a decode row's 16 KiB all-reduce in the one-shot range at 22.5 GB/s, a
+    # ten-prompt prefill's (1,369 tokens, 22.4 MB) at NCCL's ring with the A100's 200 GB/s bus bandwidth.
+    hw, h100 = load_hardware("a100-80gb-sxm"), load_hardware("h100-sxm")
+    m = load_model("llama3.1-70b-tp4")
+    cm = ComputeModel(hw, m, mfu=0.5, hbm_efficiency=1.0, step_overhead_s=0.0)
+    assert cm.allreduce_time(1) == pytest.approx(2 * 80 * (9.8e-6 + 16384 / 22.5e9), rel=1e-12)
+    big = 1369 * 8192 * 2
+    ring = 200e9 * 4 / 6  # the ring's algorithm bandwidth on 4 GPUs
+    expected = 2 * 80 * (9.8e-6 + (1 << 20) / 22.5e9 + (big - (1 << 20)) / ring)
+    assert cm.allreduce_time(1369) == pytest.approx(expected, rel=1e-12)
+    # the same prefill's all-reduces cost the A100s 70% more than the H100s (NVLink3 against NVLink4)
+    on_h100 = ComputeModel(h100, m, mfu=0.5, hbm_efficiency=1.0, step_overhead_s=0.0).allreduce_time(1369)
+    assert cm.allreduce_time(1369) / on_h100 == pytest.approx(1.70, abs=0.005)
+    assert load_hardware("a100-sxm4-40gb").allreduce == hw.allreduce  # same NVLink3

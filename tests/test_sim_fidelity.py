@@ -1,9 +1,10 @@
 """Prefill efficiency, the serving front end and multi-step scheduling: hand-derived timings on tiny setups."""
 
+import itertools
 import json
 
 import pytest
-from simutil import TINY, config, run
+from simutil import KIB_IN_GIB, TINY, config, run
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.compute import ComputeModel
@@ -67,6 +68,7 @@ def test_the_front_end_delays_entry_and_counts_in_ttft_but_in_no_step():
     assert res["ttft_s"]["p50"] == 1.25 and res["e2e_s"]["p99"] == 2.25 and res["makespan_s"] == 4.25
     assert res["tpot_s"]["p50"] == 1.0  # no step pays for the front end
     assert res["queue_s"]["p99"] == 0.0  # nor is it a wait in the scheduler's queue
+    assert res["frontend_s"] == 0.25  # the results name it apart from the queue and the steps
     assert [r.arrival for r in sim.records.values()] == [0.0, 2.0]  # the records keep the time it was sent
 
 
@@ -133,6 +135,24 @@ def _step_model_without(key):
         ({"compute__scheduler_steps": True}, r"compute\.scheduler_steps: expected an integer"),
         ({"compute__frontend_s": -1.0}, r"compute\.frontend_s: must be >= 0"),
         ({"compute__prefill_mfu": 1.5}, r"compute\.prefill_mfu: must be in \(0, 1\]"),
+        ({"compute__prefill_mfu": float("nan")}, r"compute\.prefill_mfu: .*nan"),
+        ({"compute__frontend_s": float("nan")}, r"compute\.frontend_s: .*nan"),
+        (
+            {"hardware__step_model": {**TINY["hardware"]["step_model"], "prefill_mfu": -0.5}},
+            r"hardware\.step_model\.prefill_mfu: must be in \(0, 1\]",
+        ),
+        (
+            {"hardware__step_model": {**TINY["hardware"]["step_model"], "prefill_mfu": float("nan")}},
+            r"hardware\.step_model\.prefill_mfu: .*nan",
+        ),
+        (
+            {"hardware__step_model": {**TINY["hardware"]["step_model"], "frontend_s": -0.01}},
+            r"hardware\.step_model\.frontend_s: must be >= 0",
+        ),
+        (
+            {"hardware__step_model": {**TINY["hardware"]["step_model"], "frontend_s": float("inf")}},
+            r"hardware\.step_model\.frontend_s: .*inf",
+        ),
         (
             {"hardware__step_model": _step_model_without("prefill_mfu")},
             r"hardware\.step_model\.prefill_mfu: required key is missing$",
@@ -156,3 +176,60 @@ def test_a_shipped_profile_prices_the_front_end_into_every_run():
     assert hw.step.frontend_s > 0 and setup(cfg, 0).compute.frontend_s == hw.step.frontend_s
     off = config_from_raw({"hardware": "h200", "model": "llama3-8b", "compute": {"frontend_s": 0}}, "x")
     assert setup(off, 0).compute.frontend_s == 0.0  # the config's override wins
+
+
+def test_the_front_end_shifts_a_saturated_run_and_changes_no_step():
+    # Eight 4-token prompts with 3 output tokens each, all sent at once, at most four running: a step
+    # runs every second from the first arrival to the last finish (eight steps; the 8-block pool preempts
+    # one request once).  With 0.25 s of front end every event happens 0.25 s later: the steps (their
+    # rows, their count, the preemption) and the busy span are the same, so the throughput over the busy
+    # span is unchanged while every TTFT grows by exactly 0.25 s.
+    changes = {
+        "workload__num_requests": 8,
+        "workload__arrival": {"process": "fixed", "rate": 1.0e9},
+        "workload__output_len": {"dist": "fixed", "value": 3},
+    }
+    res0, sim0 = run(config(**changes), trace=True)
+    res1, sim1 = run(config(compute__frontend_s=0.25, **changes), trace=True)
+    shifted = [(round(t - 0.25, 9), kind, what) for t, kind, what in sim1.loop.trace]
+    assert shifted == [(round(t, 9), kind, what) for t, kind, what in sim0.loop.trace]
+    assert sum(e[1] == "step" for e in sim0.loop.trace) == 8
+    assert [e for e in sim1.loop.trace if e[1] == "preempt_recompute"] == [(2.25, "preempt_recompute", 3)]
+    assert res1["makespan_s"] - res0["makespan_s"] == pytest.approx(0.25, abs=1e-9)
+    tokens = sum(r.output_tokens for r in sim1.records.values())
+    assert tokens == 24
+    assert tokens / (res1["makespan_s"] - 0.25) == pytest.approx(tokens / res0["makespan_s"], rel=1e-12)
+    ttft0 = sorted(r.first_token - r.arrival for r in sim0.records.values())
+    ttft1 = sorted(r.first_token - r.arrival for r in sim1.records.values())
+    assert ttft1 == pytest.approx([t + 0.25 for t in ttft0], abs=1e-9)
+    assert res1["tpot_s"] == res0["tpot_s"]
+
+
+def test_chunked_prefill_attention_grows_with_the_cached_context_and_adds_up_to_the_whole_prompts():
+    # TINY's model: one layer, attention width 64, 1e6 dense parameters, no vocabulary (no LM head), on
+    # 1e12 FLOP/s.  One 4,000-token prompt in chunks of 1,000: chunk k (c = 1,000k cached tokens) costs
+    # 2e6 * 1,000 dense FLOPs plus 2 * 64 * ((c + 1,000)^2 - c^2) attention FLOPs, both at prefill_mfu
+    # (0.5; decode's mfu is 0.25 here and must not price them), plus 0.5 ms a step.  Compute-bound: a
+    # step reads at most 2 MB of weights and 1 MB of KV at 80 GB/s (38 us).
+    changes = {
+        "compute__fixed_step_s": None,
+        "compute__mfu": 0.25,
+        "compute__prefill_mfu": 0.5,
+        "memory__gpu_kv_gib": 2048 * KIB_IN_GIB,
+        "workload__num_requests": 1,
+        "workload__prompt_len": {"dist": "fixed", "value": 4000},
+        "workload__output_len": {"dist": "fixed", "value": 1},
+    }
+    _, sim = run(config(scheduler__max_num_batched_tokens=1000, **changes), keep_timeline=True)
+    rate = 1e12 * 0.5
+    expected = [5e-4 + (2e6 * 1000 + 128 * ((c + 1000) ** 2 - c**2)) / rate for c in (0, 1000, 2000, 3000)]
+    got = [s.compute_s for s in sim.steps]
+    assert got == pytest.approx(expected, rel=1e-12)
+    # each chunk's attention grows linearly with the cached context: 2 * 64 * 2 * 1,000^2 FLOPs more a chunk
+    steps = [b - a for a, b in itertools.pairwise(got)]
+    assert steps == pytest.approx([128 * 2 * 1000**2 / rate] * 3, rel=1e-9)
+    # the chunks' attention adds up to the whole prompt's, 2 * 64 * 4,000^2: unchunked, one step that
+    # costs the chunks' total less three steps' overhead
+    _, whole = run(config(scheduler__max_num_batched_tokens=4000, **changes), keep_timeline=True)
+    assert [s.compute_s for s in whole.steps] == pytest.approx([5e-4 + (2e6 * 4000 + 128 * 4000**2) / rate])
+    assert sum(got) - 3 * 5e-4 == pytest.approx(whole.steps[0].compute_s, rel=1e-12)

@@ -461,6 +461,8 @@ class Simulator:
             "throughput_rps": len(recs) / makespan if makespan else 0.0,
             "throughput_output_tps": n_out / makespan if makespan else 0.0,
             "ttft_s": percentiles(ttft),
+            # TTFT's parts outside the engine: the front end (the same for every request) and the queue
+            "frontend_s": front,
             "queue_s": percentiles(queue),
             "tpot_s": percentiles(tpot),
             "e2e_s": percentiles(e2e),
