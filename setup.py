@@ -24,7 +24,11 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 # The hot bookkeeping: blocks, free queue, pool, manager, request, counters.  Hashing
-# is left out: it is bound by hashlib, and compiling it measured no faster.
+# is left out: it is bound by hashlib, and compiling it measured no faster.  The scheduler,
+# the tier manager and the simulator's loop type-check strictly too (pyproject's
+# [tool.mypy] files) but stay interpreted: compiled, their int-typed public arguments
+# raise mypyc's bare TypeError before the package's own checks run (docs/benchmarks.md,
+# "Simulator speed", says what compiling them needs).
 COMPILED = [
     "tiered_kv/core/block.py",
     "tiered_kv/core/compile_hints.py",

@@ -273,6 +273,25 @@ def test_pin_unpin_and_remove_have_lmcaches_meaning(tmp_path):
         rig.close()
 
 
+def test_a_pinned_chunk_survives_puts_that_fill_the_store_until_it_is_unpinned(tmp_path):
+    rig = Rig([disk(tmp_path, pages=2)])
+    try:
+        p = rig.plugin
+        rig.put([key(0), key(1)], [rig.obj(0), rig.obj(1)])
+        want = image(rig.obj(0))
+        assert p.contains(key(0), pin=True)  # a lookup promised key 0 to a coming retrieve
+        rig.put([key(2)], [rig.obj(2)])  # evicts key 1, the only chunk not held
+        rig.put([key(3)], [rig.obj(3)])  # evicts key 2: key 0 is still held
+        assert [p.contains(key(i)) for i in range(4)] == [True, False, False, True]
+        assert image(p.get_blocking(key(0))) == want
+        assert p.unpin(key(0))
+        p.get_blocking(key(3))
+        rig.put([key(4)], [rig.obj(4)])  # key 0 is evictable again, and the least recent
+        assert [p.contains(key(i)) for i in (0, 3, 4)] == [False, True, True]
+    finally:
+        rig.close()
+
+
 def test_async_lookup_and_prefetch_return_the_present_prefix_and_release_the_holds(tmp_path):
     rig = Rig([disk(tmp_path)])
     try:

@@ -371,3 +371,60 @@ def test_a_closed_store_refuses_calls(tmp_path):
     with pytest.raises(InvalidArgumentError, match="closed"):
         s.put(["a"], [page(1)])
     assert isinstance(s, PageStore)
+
+
+# ---------------------------------------------------------------- holds
+def test_a_held_page_survives_puts_that_fill_the_store_until_it_is_released(tmp_path):
+    with open_store(disk(tmp_path, pages=2)) as s:
+        s.put(["a", "b"], [page(1), page(2)])
+        assert s.hold(["a", "zzz"]) == [True, False]
+        assert (s.num_holds("a"), s.num_holds("zzz")) == (1, 0)
+        assert s.put(["c"], [page(3)]) == [True]  # evicts b, the only page not held
+        assert s.exists(["a", "b", "c"]) == [True, False, True]
+        assert s.put(["d"], [page(4)]) == [True]  # evicts c; a is still held
+        assert s.exists(["a", "c", "d"]) == [True, False, True]
+        s.release(["a"])
+        assert s.num_holds("a") == 0
+        s.get(["d"], [empty()])
+        assert s.put(["e"], [page(5)]) == [True]  # a is evictable again, and the least recent
+        assert s.exists(["a", "d", "e"]) == [False, True, True]
+
+
+def test_releasing_more_holds_than_were_made_is_refused_and_releases_nothing(tmp_path):
+    with open_store(disk(tmp_path)) as s:
+        s.put(["a", "b"], [page(1), page(2)])
+        s.hold(["a", "b"])
+        with pytest.raises(InvalidArgumentError, match="cannot release 2 hold"):
+            s.release(["b", "a", "a"])
+        assert (s.num_holds("a"), s.num_holds("b")) == (1, 1)
+        s.release(["a", "b"])
+        assert (s.store.num_pinned, s.num_holds("a")) == (0, 0)
+
+
+def test_a_held_page_that_is_removed_goes_when_its_hold_is_released(tmp_path):
+    with open_store(disk(tmp_path)) as s:
+        s.put(["a"], [page(1)])
+        s.hold(["a"])
+        s.remove(["a"])
+        out = empty()
+        assert s.get(["a"], [out]) == [True]  # still readable while held
+        s.release(["a"])
+        assert s.exists(["a"]) == [False]
+        assert page_files(tmp_path) == []
+
+
+def test_the_chain_releases_a_hold_in_exactly_the_tiers_that_made_it(tmp_path, redis_server):
+    with open_store(disk(tmp_path), redis(redis_server.url)) as chain:
+        local, remote = chain.tiers
+        chain.put(["a"], [page(1)])
+        local.remove(["a"])
+        assert chain.hold(["a"]) == [True]  # held in Redis only
+        chain.get(["a"], [empty()])  # promoted to disk
+        assert chain.hold(["a"]) == [True]  # held in both
+        assert (local.num_holds("a"), remote.num_holds("a"), chain.num_holds("a")) == (1, 2, 2)
+        chain.release(["a"])
+        assert (local.num_holds("a"), remote.num_holds("a")) == (0, 1)
+        chain.release(["a"])
+        assert (local.num_holds("a"), remote.num_holds("a"), chain.num_holds("a")) == (0, 0, 0)
+        with pytest.raises(InvalidArgumentError, match="cannot release"):
+            chain.release(["a"])

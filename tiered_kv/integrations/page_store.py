@@ -57,6 +57,7 @@ from tiered_kv.tiers.io_engine import BlockIOEngine, FaultHook
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
 from tiered_kv.tiers.namespace import MAX_KEY_BYTES, ChunkGeometry, KVNamespace
+from tiered_kv.tiers.policies.factory import CACHE_POLICIES
 from tiered_kv.tiers.redis_io import RedisIO
 from tiered_kv.tiers.redis_store import RedisStore, connect
 from tiered_kv.tiers.store import Key
@@ -172,6 +173,7 @@ class PageStore:
         self._free_rows = list(range(buffer.num_chunks))
         self._plan_ids = iter(range(1, 1 << 62))
         self._stats = PageStoreStats()
+        self._holds: dict[Key, int] = {}
         self._closed = False
 
     # ------------------------------------------------------------ building
@@ -380,6 +382,57 @@ class PageStore:
             self._free(rows)
         return hit
 
+    # ------------------------------------------------------------ holds
+    def hold(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Hold each present page against eviction until :meth:`release`; per key, whether it is held now.
+
+        An engine that promised a page to a coming read (LMCache's ``pin``) holds it, so
+        that puts filling the store cannot evict it first.  A held page still goes when it
+        is removed, once its last hold is released.  A page absent or being written is not held.
+        """
+        ks = self._keys(keys)
+        with self._lock:
+            self._check_open()
+            store = self.store
+            if isinstance(store, RedisStore):
+                store.probe(list(dict.fromkeys(ks)))
+            held = []
+            for k in ks:
+                ok = store.is_ready(k)
+                if ok:
+                    store.prepare_load([k])  # a hold is a pin, as a read in flight is
+                    self._holds[k] = self._holds.get(k, 0) + 1
+                held.append(ok)
+            return held
+
+    def release(self, keys: Sequence[PageKey]) -> None:
+        """Release one hold per key given (a key given twice releases two).
+
+        Raises:
+            InvalidArgumentError: a key has fewer holds than it is given; nothing is released.
+        """
+        ks = self._keys(keys)
+        with self._lock:
+            want: dict[Key, int] = {}
+            for k in ks:
+                want[k] = want.get(k, 0) + 1
+            for k, n in want.items():
+                if self._holds.get(k, 0) < n:
+                    raise InvalidArgumentError(f"cannot release {n} hold(s) of {k!r}: it has {self._holds.get(k, 0)}")
+            for k, n in want.items():
+                self.store.complete_load([k] * n)
+                left = self._holds[k] - n
+                if left:
+                    self._holds[k] = left
+                else:
+                    del self._holds[k]
+
+    def num_holds(self, key: PageKey) -> int:
+        """How many holds ``key``'s page has."""
+        k = page_key(key)
+        with self._lock:
+            return self._holds.get(k, 0)
+
     # ------------------------------------------------------------ removal
     def remove(self, keys: Sequence[PageKey]) -> None:
         """Drop the pages of ``keys`` (from the server too, for Redis); absent keys are ignored.
@@ -508,6 +561,8 @@ class ChainedPageStore:
         self.tiers = list(tiers)
         self.page_bytes = tiers[0].page_bytes
         self.namespace = tiers[0].namespace
+        self._lock = threading.Lock()
+        self._holds: dict[Key, list[tuple[int, ...]]] = {}  # per key, the tiers of each hold, last first out
 
     def exists(self, keys: Sequence[PageKey]) -> list[bool]:
         """Per key, whether some tier would give the page now."""
@@ -552,6 +607,38 @@ class ChainedPageStore:
                     upper.put([keys[i] for i in found], [outs[i] for i in found])
         return hit
 
+    def hold(self, keys: Sequence[PageKey]) -> list[bool]:
+        """Hold each page in every tier that has it; per key, whether some tier holds it now."""
+        per_tier = [tier.hold(keys) for tier in self.tiers]
+        with self._lock:
+            for i, key in enumerate(keys):
+                where = tuple(t for t, held in enumerate(per_tier) if held[i])
+                if where:
+                    self._holds.setdefault(page_key(key), []).append(where)
+        return [any(held[i] for held in per_tier) for i in range(len(keys))]
+
+    def release(self, keys: Sequence[PageKey]) -> None:
+        """Release one hold per key given, in exactly the tiers that hold made.
+
+        Raises:
+            InvalidArgumentError: a key has fewer holds than it is given; nothing is released.
+        """
+        ks = [page_key(k) for k in keys]
+        with self._lock:
+            for k in set(ks):
+                if len(self._holds.get(k, ())) < ks.count(k):
+                    raise InvalidArgumentError(f"cannot release {ks.count(k)} hold(s) of {k!r}: it has fewer")
+            for k in ks:
+                for t in self._holds[k].pop():
+                    self.tiers[t].release([k])
+                if not self._holds[k]:
+                    del self._holds[k]
+
+    def num_holds(self, key: PageKey) -> int:
+        """How many holds made through the chain ``key``'s page has."""
+        with self._lock:
+            return len(self._holds.get(page_key(key), ()))
+
     def remove(self, keys: Sequence[PageKey]) -> None:
         """Drop the pages from every tier."""
         for tier in self.tiers:
@@ -585,7 +672,36 @@ _TIER_KEYS = {
     "disk": ({"root", "capacity_bytes"}, {"fsync", "load_workers", "store_workers"}),
     "redis": ({"url"}, {"timeout_s", "ttl_s", "index_blocks", "load_workers", "store_workers"}),
 }
-_TOP_KEYS = {"tiers", "policy", "staging_bytes"}
+STORE_CONFIG_KEYS = frozenset({"tiers", "policy", "staging_bytes"})
+"""The top-level keys of a page store configuration (:func:`open_page_store`)."""
+
+
+def check_page_store_config(config: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Check a page store configuration without opening anything; return each tier's (kind, arguments).
+
+    An engine that builds its backend before it knows the page size (SGLang registers
+    its host pool later) calls this at construction, so a bad configuration fails there
+    and creates nothing; :func:`open_page_store` runs the same checks.
+
+    Raises:
+        InvalidArgumentError: an unknown or missing key, or a bad value.
+    """
+    if not isinstance(config, Mapping):
+        raise InvalidArgumentError(f"a page store config must be a mapping, got {checks.describe(config)}")
+    unknown = set(config) - STORE_CONFIG_KEYS
+    if unknown:
+        raise InvalidArgumentError(
+            f"unknown page store config keys {sorted(unknown)} (known: {sorted(STORE_CONFIG_KEYS)})"
+        )
+    tiers = config.get("tiers")
+    if not isinstance(tiers, Sequence) or isinstance(tiers, (str, bytes)) or not tiers:
+        raise InvalidArgumentError(f"a page store config needs a non-empty list 'tiers', got {checks.describe(tiers)}")
+    policy = config.get("policy", "lru")
+    if policy not in CACHE_POLICIES:
+        raise InvalidArgumentError(f"'policy' must be one of {sorted(CACHE_POLICIES)}, got {checks.describe(policy)}")
+    if "staging_bytes" in config:
+        _whole(config["staging_bytes"], "staging_bytes")
+    return [_tier_args(i, t) for i, t in enumerate(tiers)]
 
 
 def open_page_store(
@@ -618,20 +734,12 @@ def open_page_store(
         InvalidArgumentError: an unknown or missing key, a bad value; nothing is opened
             (a tier opened before a later one failed is closed again).
     """
-    if not isinstance(config, Mapping):
-        raise InvalidArgumentError(f"a page store config must be a mapping, got {checks.describe(config)}")
-    unknown = set(config) - _TOP_KEYS
-    if unknown:
-        raise InvalidArgumentError(f"unknown page store config keys {sorted(unknown)} (known: {sorted(_TOP_KEYS)})")
-    tiers = config.get("tiers")
-    if not isinstance(tiers, Sequence) or isinstance(tiers, (str, bytes)) or not tiers:
-        raise InvalidArgumentError(f"a page store config needs a non-empty list 'tiers', got {checks.describe(tiers)}")
+    entries = check_page_store_config(config)
     checks.count("page_bytes", page_bytes, 1)
     namespace = KVNamespace(model, ChunkGeometry(page_bytes, layout), hash_scheme)
     common: dict[str, Any] = {"policy": config.get("policy", "lru"), "fault_hook": fault_hook}
     if "staging_bytes" in config:
         common["staging_bytes"] = _whole(config["staging_bytes"], "staging_bytes")
-    entries = [_tier_args(i, t) for i, t in enumerate(tiers)]
     opened: list[PageStore] = []
     try:
         for kind, args in entries:

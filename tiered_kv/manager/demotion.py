@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tiered_kv.manager.transfers import Transfer
 from tiered_kv.tiers.chain import Move, TierChain
@@ -43,7 +44,7 @@ class Hop:
     """
 
     move: Move
-    job: object = None  # a tier_moves.Job
+    job: Any = None  # a tier_moves.Job (mypyc's dataclasses cannot annotate a field with `object`)
     offset: int = 0
     origin: int = 0
     then: int | None = None

@@ -85,7 +85,7 @@ class Offloader:
         if len(request.block_hashes) < end:
             self.gpu.hasher.update(request)
         table = self.gpu.get_blocks(request.request_id)
-        keys = list(request.block_hashes[start:end])
+        keys: list[Hashable] = list(request.block_hashes[start:end])
         ctx = self.contexts.get(request.request_id)
         if ctx is not None and keys:
             ctx.set_positions(keys, (start + 1) * self.gpu.block_size, self.gpu.block_size)
@@ -145,7 +145,7 @@ class Offloader:
 
     def settle_load(self, request: Request, t: Transfer) -> int:
         """Unpin; on success cache the loaded blocks and return the tokens loaded, else free the table and return 0."""
-        job: _Load = t.payload  # type: ignore[assignment]
+        job: _Load = t.payload
         self.store.complete_load(job.keys)
         if not t.ok:
             self.free_table(request)  # the fresh blocks were never cached: nobody can have read them
@@ -155,6 +155,6 @@ class Offloader:
 
     def settle_store(self, t: Transfer) -> None:
         """Commit or drop a finished store, then give back the GPU blocks it held."""
-        job: _Store = t.payload  # type: ignore[assignment]
+        job: _Store = t.payload
         self.store.complete_store(job.keys, t.ok)
         self.transfers.release(t)

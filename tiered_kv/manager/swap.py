@@ -195,7 +195,7 @@ class Swapper:
         KV is not whole on the CPU, so this swap-out fails too and the request
         stays on the GPU, where its blocks never left.
         """
-        job: _Out = t.payload  # type: ignore[assignment]
+        job: _Out = t.payload
         store = self.store
         store.complete_store(job.stored, t.ok)
         whole = t.ok and all(store.contains(k) and store.is_ready(k) for k in job.keys)
@@ -257,7 +257,7 @@ class Swapper:
 
     def settle_in(self, request: Request, t: Transfer) -> bool:
         """Commit a finished swap-in, or roll it back (the CPU copy stays pinned); True if committed."""
-        job: _In = t.payload  # type: ignore[assignment]
+        job: _In = t.payload
         if t.ok:
             self.finish_in(request, job.swapped)
             return True

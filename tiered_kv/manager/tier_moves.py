@@ -139,7 +139,7 @@ class TierMoves:
     def find(self, request: Request, start_block: int, context_tokens: int) -> Found:
         """The prefix after the GPU hits that the tiers hold, and how much of it is worth loading."""
         last = (request.num_tokens - 1) // self.block_size  # the last token is always computed
-        keys = list(request.block_hashes[start_block:last])
+        keys: list[Hashable] = list(request.block_hashes[start_block:last])
         found = tuple(self.chain.lookup(keys).tiers) if keys else ()
         n = len(found)
         for i, tier in enumerate(found):
@@ -231,7 +231,7 @@ class TierMoves:
             move of a request's load (``None``: nothing landed, nothing to copy);
             else ``None``.
         """
-        hop: Hop = t.payload  # type: ignore[assignment]
+        hop: Hop = t.payload
         landed = self.chain.finish_handle(hop.move, t.handle)
         self._count_move(hop.move, landed)
         job = hop.job

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.block_pool import BlockPool
@@ -44,7 +45,7 @@ class Transfer:
     handle: TransferHandle
     gpu_holds: list[KVCacheBlock] = field(default_factory=list)
     in_place: bool = False
-    payload: object = None
+    payload: Any = None  # mypyc's dataclasses cannot annotate a field with `object`
     engine: CopyEngine | None = None
 
     @property

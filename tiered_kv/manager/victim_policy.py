@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
@@ -31,6 +31,9 @@ from tiered_kv.manager.states import MODES
 
 Bounds = Callable[[Sequence[Hashable], str, bool], list[float]]
 """``bounds(request_ids, mode, lookups)``: lower bounds of each request's cost-aware key."""
+
+Key = tuple[Any, ...]
+"""A policy's ranking key: compared as tuples, smallest preempted first (entries differ by policy)."""
 
 
 class Candidate:
@@ -98,16 +101,16 @@ class VictimPolicy:
 
     name: ClassVar[str] = "base"
 
-    def key(self, c: Candidate, mode: str) -> tuple:
+    def key(self, c: Candidate, mode: str) -> Key:
         raise NotImplementedError
 
-    def lower_key(self, c: Candidate, mode: str) -> tuple | None:
+    def lower_key(self, c: Candidate, mode: str) -> Key | None:
         """Optional cheap bound with ``lower_key(c) <= key(c)``; enables best-first ranking."""
         return None
 
     def bound_keys(
         self, candidates: Sequence[Candidate], mode: str
-    ) -> tuple[list[tuple], Callable[[int], tuple] | None] | None:
+    ) -> tuple[list[Key], Callable[[int], Key] | None] | None:
         """Bounds for best-first ranking, or ``None`` (no bound: every candidate is keyed).
 
         Returns the :meth:`lower_key` of every candidate, and optionally a
@@ -158,7 +161,7 @@ class LastAdmittedPolicy(VictimPolicy):
 
     name: ClassVar[str] = "last_admitted"
 
-    def key(self, c: Candidate, mode: str) -> tuple:
+    def key(self, c: Candidate, mode: str) -> Key:
         return (-c.rank,)
 
 
@@ -167,7 +170,7 @@ class LargestPolicy(VictimPolicy):
 
     name: ClassVar[str] = "largest"
 
-    def key(self, c: Candidate, mode: str) -> tuple:
+    def key(self, c: Candidate, mode: str) -> Key:
         return (-c.num_gpu_blocks, -c.rank)
 
 
@@ -181,7 +184,7 @@ class PrefillAwarePolicy(VictimPolicy):
 
     name: ClassVar[str] = "prefill_aware"
 
-    def key(self, c: Candidate, mode: str) -> tuple:
+    def key(self, c: Candidate, mode: str) -> Key:
         return (c.is_prefilling, c.num_computed_tokens, -c.rank)
 
 
@@ -193,12 +196,12 @@ class CostAwarePolicy(VictimPolicy):
     def __init__(self, cost_model: CostModel | None = None) -> None:
         self.cost_model = cost_model  # enables the cheap lower bound
 
-    def key(self, c: Candidate, mode: str) -> tuple:
+    def key(self, c: Candidate, mode: str) -> Key:
         q = c.quote
         per_block = q.cost(mode) / q.blocks_freed if q.blocks_freed else math.inf
         return (per_block, -c.rank)
 
-    def lower_key(self, c: Candidate, mode: str) -> tuple | None:
+    def lower_key(self, c: Candidate, mode: str) -> Key | None:
         """Per-block cost bound without pricing the candidate.
 
         It frees at most ``num_gpu_blocks`` blocks, and every block a swap
@@ -221,7 +224,7 @@ class CostAwarePolicy(VictimPolicy):
 
     def bound_keys(
         self, candidates: Sequence[Candidate], mode: str
-    ) -> tuple[list[tuple], Callable[[int], tuple] | None] | None:
+    ) -> tuple[list[Key], Callable[[int], Key] | None] | None:
         """Bounds from the tier manager that prices the candidates, where it offers them; else :meth:`lower_key`.
 
         A manager keeps each request's freeable blocks and their runs as its

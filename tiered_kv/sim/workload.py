@@ -87,7 +87,8 @@ def sample_length(spec: dict[str, Any], rng: random.Random, key: str) -> int:
         n = round(rng.lognormvariate(mu, spec["sigma"]))
     else:  # pragma: no cover - the schema forbids it
         raise ConfigError(f"{key}.dist: unknown distribution {dist!r}")
-    return max(spec["min"], min(spec["max"], n))
+    clipped: int = max(spec["min"], min(spec["max"], n))  # the schema's bounds are ints
+    return clipped
 
 
 def _arrivals(spec: dict[str, Any], n: int, rng: random.Random) -> list[float]:
@@ -223,13 +224,15 @@ class WorkloadSize:
 
 def _mean_length(spec: dict[str, Any]) -> float:
     m = {"fixed": spec["value"], "uniform": (spec["low"] + spec["high"]) / 2, "lognormal": spec["mean"]}[spec["dist"]]
-    return max(spec["min"], min(spec["max"], m))
+    mean: float = max(spec["min"], min(spec["max"], m))
+    return mean
 
 
 def max_length(spec: dict[str, Any]) -> int:
     """The longest length a validated length spec can produce."""
     top = {"fixed": spec["value"], "uniform": spec["high"], "lognormal": spec["max"]}[spec["dist"]]
-    return min(top, spec["max"])
+    longest: int = min(top, spec["max"])
+    return longest
 
 
 def longest_synthetic(spec: dict[str, Any]) -> int:

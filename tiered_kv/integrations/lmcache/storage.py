@@ -454,7 +454,9 @@ class TieredKVStorage(StoragePluginInterface):
                 return False
         present = self._exists([k])[0]
         with self._lock:
-            self._pins.pop(k, None)
+            holds = self._pins.pop(k, 0)
+        if holds:
+            self.store.release([k] * holds)
         self._forget([k])
         return present
 
@@ -515,15 +517,25 @@ class TieredKVStorage(StoragePluginInterface):
             logger.exception("tiered_kv: removing %d keys failed", len(names))
 
     def _hold(self, names: list[str]) -> None:
+        # The store's hold keeps the page from being evicted by later puts until the unpin.
+        try:
+            held = self.store.hold(names)
+        except Exception:
+            logger.exception("tiered_kv: holding %d keys failed", len(names))
+            held = [False] * len(names)
         with self._lock:
-            for k in names:
-                self._pins[k] = self._pins.get(k, 0) + 1
+            for k, ok in zip(names, held, strict=True):
+                if ok:
+                    self._pins[k] = self._pins.get(k, 0) + 1
 
     def _release(self, names: list[str]) -> None:
         with self._lock:
-            for k in names:
-                n = self._pins.get(k, 0)
+            mine = [k for k in names if self._pins.get(k, 0)]
+            for k in mine:
+                n = self._pins[k]
                 if n > 1:
                     self._pins[k] = n - 1
                 else:
-                    self._pins.pop(k, None)
+                    del self._pins[k]
+        if mine:
+            self.store.release(mine)

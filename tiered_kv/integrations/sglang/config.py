@@ -17,7 +17,6 @@ from typing import Any
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.integrations import page_store
-from tiered_kv.tiers.policies.factory import CACHE_POLICIES
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 """Keys of the extra config that SGLang itself reads (its loader and its cache controller); ignored here."""
@@ -25,7 +24,7 @@ SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface
 OWN_KEYS = frozenset({"model", "hash_scheme"})
 """Keys of the extra config that name the namespace (beside the page store's keys)."""
 
-STORE_KEYS = frozenset(page_store._TOP_KEYS)
+STORE_KEYS = page_store.STORE_CONFIG_KEYS
 """Keys of the extra config that configure the page store (``tiers``, ``policy``, ``staging_bytes``)."""
 
 DEFAULT_HASH_SCHEME = "sglang-page-sha256"
@@ -104,19 +103,7 @@ def check_store_config(store: Mapping[str, Any]) -> None:
     still fail when the backend is built, and without creating anything.  The checks are
     ``open_page_store``'s own (its tier checker), run without opening a medium.
     """
-    tiers = store.get("tiers")
-    if not isinstance(tiers, (list, tuple)) or not tiers:
-        raise InvalidArgumentError(
-            f"the HiCache extra config needs a non-empty list 'tiers', got {checks.describe(tiers)}"
-        )
-    for i, tier in enumerate(tiers):
-        page_store._tier_args(i, tier)
-    if store.get("policy", "lru") not in CACHE_POLICIES:
-        raise InvalidArgumentError(
-            f"'policy' must be one of {sorted(CACHE_POLICIES)}, got {checks.describe(store['policy'])}"
-        )
-    if "staging_bytes" in store:
-        page_store._whole(store["staging_bytes"], "staging_bytes")
+    page_store.check_page_store_config(store)
 
 
 def rank_layout(storage_config: Any) -> str:
