@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 from tiered_kv.core.request import Request
@@ -65,32 +66,19 @@ def overlap_seconds(intervals: list[tuple[float, float]], busy: list[tuple[float
     return total
 
 
+@dataclass(slots=True, eq=False)
 class Step:
     """One computed step, kept for timelines: when it ran and what it waited for."""
 
-    __slots__ = ("index", "issued", "start", "end", "compute_s", "num_seqs", "num_tokens", "preempted", "resumed")
-
-    def __init__(
-        self,
-        index: int,
-        issued: float,
-        start: float,
-        end: float,
-        compute_s: float,
-        num_seqs: int,
-        num_tokens: int,
-        preempted: int,
-        resumed: int,
-    ) -> None:
-        self.index = index
-        self.issued = issued
-        self.start = start
-        self.end = end
-        self.compute_s = compute_s
-        self.num_seqs = num_seqs
-        self.num_tokens = num_tokens
-        self.preempted = preempted
-        self.resumed = resumed
+    index: int
+    issued: float
+    start: float
+    end: float
+    compute_s: float
+    num_seqs: int
+    num_tokens: int
+    preempted: int
+    resumed: int
 
 
 class Simulator:

@@ -122,10 +122,6 @@ def trace_rows(spec: dict[str, Any]) -> list[TraceRow]:
     return rows
 
 
-def zipf_weights(n: int, s: float) -> list[float]:
-    return [1.0 / (k + 1) ** s for k in range(n)]
-
-
 def generate(spec: dict[str, Any], seed: int) -> list[SimRequest]:
     """Requests of a validated ``workload`` config section, deterministic in ``seed``."""
     if spec["trace"]:
@@ -136,7 +132,7 @@ def generate(spec: dict[str, Any], seed: int) -> list[SimRequest]:
     arrivals = _arrivals(spec["arrival"], n, rng)
     sp = spec["system_prompts"]
     systems = [ids.take(sp["length"]) for _ in range(sp["count"])]
-    weights = zipf_weights(sp["count"], sp["zipf"]) if sp["count"] else []
+    weights = [1.0 / (k + 1) ** sp["zipf"] for k in range(sp["count"])]  # Zipf popularity
     mt = spec["multi_turn"]
     open_convs: list[tuple[int, list[int], int]] = []  # (conversation, history, turns so far)
     out: list[SimRequest] = []
@@ -166,17 +162,12 @@ def generate(spec: dict[str, Any], seed: int) -> list[SimRequest]:
     return out
 
 
-def read_trace(path: Path, fmt: str = "jsonl", rate: float = 1.0) -> list[TraceRow]:
-    """Read and validate a trace of format ``fmt`` without building its requests (cheap to size up first).
+def load_trace(path: Path, fmt: str = "jsonl", rate: float = 1.0) -> list[SimRequest]:
+    """Replay a trace file of format ``fmt`` (default: this package's JSONL layout).
 
     See :mod:`tiered_kv.sim.trace_formats` for the formats and their checks.
     """
-    return trace_formats.read(Path(path), fmt, rate).rows
-
-
-def load_trace(path: Path, seed: int = 0, fmt: str = "jsonl", rate: float = 1.0) -> list[SimRequest]:
-    """Replay a trace file of format ``fmt`` (default: this package's JSONL layout)."""
-    return from_rows(read_trace(Path(path), fmt, rate))
+    return from_rows(trace_formats.read(Path(path), fmt, rate).rows)
 
 
 def from_rows(rows: list[TraceRow]) -> list[SimRequest]:
