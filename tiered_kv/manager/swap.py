@@ -28,10 +28,6 @@ from tiered_kv.transfer.plan import CPU, GPU, PlanKind
 _MOVED_LOOKUPS = 4  # full blocks past the prompt that a swap-out's lower bound looks up
 
 
-def _ignore(blocks: list[KVCacheBlock]) -> None:
-    return
-
-
 @dataclass(frozen=True, slots=True)
 class PrivateKey:
     """The store key of a block that only one request can use: its partial tail, or any block with caching off."""
@@ -86,7 +82,7 @@ class Swapper:
         #: Frees a request's GPU table (default ``gpu.free``); the manager's also reports the release.
         self.free_table = free_table if free_table is not None else gpu.free
         #: Told of the cached GPU blocks a resumed request takes again (they gained a holder).
-        self.on_hits: Callable[[list[KVCacheBlock]], None] = on_hits if on_hits is not None else _ignore
+        self.on_hits = on_hits
         self._generation = 0
 
     # --------------------------------------------------------------- keys
@@ -233,7 +229,7 @@ class Swapper:
         new = self.gpu.restore(request, hits, swapped.num_tokens)
         if new is None:
             return None
-        if hits:
+        if hits and self.on_hits is not None:
             self.on_hits(hits)
         n = len(hits)
         if not new:

@@ -32,6 +32,7 @@ copy pins them itself.  Demotions (:mod:`.demotion`) run at every poll.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -289,14 +290,10 @@ class TierMoves:
     # ------------------------------------------------------------ audit
     def cpu_pins(self) -> dict[Key, int]:
         """Pins this layer holds on the CPU store, per key (loads being staged, moves out of the CPU tier)."""
-        pins: dict[Key, int] = {}
-        for job in self._jobs.values():
-            for k in job.pinned:
-                pins[k] = pins.get(k, 0) + 1
+        pins = Counter(k for job in self._jobs.values() for k in job.pinned)
         for t in self.transfers:
             if isinstance(t.payload, Hop) and t.payload.move.src == 0:
-                for k in t.payload.move.keys:
-                    pins[k] = pins.get(k, 0) + 1
+                pins.update(t.payload.move.keys)
         return pins
 
     def check_invariants(self) -> None:

@@ -14,6 +14,7 @@ other failure, so a broken engine can never leave a request half-moved.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,8 +219,4 @@ class Transfers:
 
     def gpu_hold_counts(self) -> dict[int, int]:
         """GPU block id -> holds by copies in flight (for the manager's ownership check)."""
-        counts: dict[int, int] = {}
-        for t in self._live.values():
-            for b in t.gpu_holds:
-                counts[b.block_id] = counts.get(b.block_id, 0) + 1
-        return counts
+        return Counter(b.block_id for t in self._live.values() for b in t.gpu_holds)

@@ -248,12 +248,7 @@ _ROUNDING = 1 - 1e-9  # a bound computed another way round must never exceed the
 def _bounds_of(candidates: Sequence[Candidate]) -> Bounds | None:
     """The ``preemption_bounds`` that every candidate names, if they all name the same one."""
     bounds = candidates[0].bounds
-    if bounds is None:
-        return None
-    for c in candidates:
-        if c.bounds != bounds:
-            return None
-    return bounds
+    return bounds if bounds is not None and all(c.bounds == bounds for c in candidates) else None
 
 
 VICTIM_POLICIES: dict[str, type[VictimPolicy]] = {

@@ -356,9 +356,8 @@ class Simulator:
                     fill = m.cpu_cached_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
                     usage.append((end, m.gpu_usage, cpu_held, fill))
                     next_usage = end + usage_dt
-                    if (
-                        len(usage) >= 2 * self.usage_points
-                    ):  # a long tail: keep every other sample, sample half as often
+                    # a long tail: keep every other sample, sample half as often
+                    if len(usage) >= 2 * self.usage_points:
                         usage = usage[::2]
                         usage_dt *= 2
                 carry = new_early
