@@ -100,15 +100,11 @@ class Offloader:
         protected, and only as many new ones are stored as fit without them.
         """
         store = self.store
-        blocks: list[KVCacheBlock] = []
-        keys: list[Key] = []
-        seen: set[Key] = set()
+        by_key: dict[Key, KVCacheBlock] = {}  # the first block of each hash, in queue order
         for b in self.gpu.block_pool.peek_free_blocks(window):
-            h = b.block_hash
-            if h is not None and h not in seen:
-                seen.add(h)
-                blocks.append(b)
-                keys.append(h)
+            if b.block_hash is not None:
+                by_key.setdefault(b.block_hash, b)
+        keys, blocks = list(by_key), list(by_key.values())
         absent = [i for i, k in enumerate(keys) if not store.contains(k)]
         if not absent:
             return None

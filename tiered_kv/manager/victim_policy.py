@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tiered_kv import checks
@@ -36,6 +37,7 @@ Key = tuple[Any, ...]
 """A policy's ranking key: compared as tuples, smallest preempted first (entries differ by policy)."""
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Candidate:
     """What a policy may know about a running request.  The quote is priced lazily, once.
 
@@ -45,46 +47,26 @@ class Candidate:
         num_gpu_blocks: Blocks in its GPU table (an upper bound of what it frees).
         num_computed_tokens / num_prompt_tokens: Progress (a snapshot the
             policies read; the request's own count belongs to the scheduler).
+        price: Prices the request (called once, by :attr:`quote`, when a policy first needs it).
         bounds: The pricing manager's ``preemption_bounds``, where it offers
             them: cheap lower bounds of the cost-aware key that let the
             ranking price a few candidates instead of all (``None``: a bound
             from the table size is used).
     """
 
-    __slots__ = (
-        "_price",
-        "_quote",
-        "bounds",
-        "num_computed_tokens",
-        "num_gpu_blocks",
-        "num_prompt_tokens",
-        "rank",
-        "request_id",
-    )
-
-    def __init__(
-        self,
-        request_id: Hashable,
-        rank: int,
-        num_gpu_blocks: int,
-        num_computed_tokens: int,
-        num_prompt_tokens: int,
-        price: Callable[[Hashable], Quote],
-        bounds: Bounds | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.rank = rank
-        self.num_gpu_blocks = num_gpu_blocks
-        self.num_computed_tokens: int = num_computed_tokens
-        self.num_prompt_tokens = num_prompt_tokens
-        self._price = price
-        self._quote: Quote | None = None
-        self.bounds = bounds
+    request_id: Hashable
+    rank: int
+    num_gpu_blocks: int
+    num_computed_tokens: int
+    num_prompt_tokens: int
+    price: Callable[[Hashable], Quote]
+    bounds: Bounds | None = None
+    _quote: Quote | None = field(default=None, init=False)
 
     @property
     def quote(self) -> Quote:
         if self._quote is None:
-            self._quote = self._price(self.request_id)
+            self._quote = self.price(self.request_id)
         return self._quote
 
     @property
