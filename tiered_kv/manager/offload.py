@@ -27,11 +27,6 @@ from tiered_kv.transfer.plan import CPU, GPU, PlanKind
 
 
 @dataclass(slots=True)
-class _Store:
-    keys: list[Key]
-
-
-@dataclass(slots=True)
 class _Load:
     keys: list[Key]
     upto_tokens: int  # the request's KV is whole up to here once the load lands
@@ -73,7 +68,7 @@ class Offloader:
         plan = self.transfers.plan(
             GPU, CPU, ids, prep.store_spec.block_ids, PlanKind.OFFLOAD, rid, num_layers=num_layers, gated=num_layers > 0
         )
-        return self.transfers.start(plan, gpu_holds=src, in_place=in_place, payload=_Store(list(prep.keys_to_store)))
+        return self.transfers.start(plan, gpu_holds=src, in_place=in_place, payload=list(prep.keys_to_store))
 
     def write_through(self, request: Request, start: int, end: int, gated_layers: int = 0) -> Transfer | None:
         """Store full blocks ``[start, end)`` of a running request.
@@ -151,6 +146,6 @@ class Offloader:
 
     def settle_store(self, t: Transfer) -> None:
         """Commit or drop a finished store, then give back the GPU blocks it held."""
-        job: _Store = t.payload
-        self.store.complete_store(job.keys, t.ok)
+        keys: list[Key] = t.payload  # the keys the store reserved
+        self.store.complete_store(keys, t.ok)
         self.transfers.release(t)

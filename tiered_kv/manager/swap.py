@@ -57,12 +57,6 @@ class _Out:
     num_tokens: int
 
 
-@dataclass(slots=True)
-class _In:
-    swapped: SwappedKV
-    num_hits: int  # leading blocks found cached on the GPU (not copied)
-
-
 class Swapper:
     """Plans and settles swaps between one GPU manager and one store."""
 
@@ -244,7 +238,7 @@ class Swapper:
             True,
             num_layers,
         )
-        return self.transfers.start(plan, payload=_In(swapped, n))
+        return self.transfers.start(plan, payload=swapped)
 
     def finish_in(self, request: Request, swapped: SwappedKV) -> None:
         """The KV is whole on the GPU: cache the restored blocks; unpin the CPU copy and drop its private part."""
@@ -253,9 +247,8 @@ class Swapper:
 
     def settle_in(self, request: Request, t: Transfer) -> bool:
         """Commit a finished swap-in, or roll it back (the CPU copy stays pinned); True if committed."""
-        job: _In = t.payload
         if t.ok:
-            self.finish_in(request, job.swapped)
+            self.finish_in(request, t.payload)
             return True
         self.free_table(request)  # the fresh blocks were never cached: nobody can have read them
         return False
