@@ -50,17 +50,13 @@ class Offloader:
         self.transfers = transfers
         #: Frees a request's GPU table (default ``gpu.free``; the manager's also reports the release).
         self.free_table = free_table if free_table is not None else gpu.free
-        self.refused = 0  # stores the store had no room for
 
     def _store(
         self, blocks: list[KVCacheBlock], keys: list[Key], rid: object, in_place: bool, num_layers: int = 0
     ) -> Transfer | None:
         ctx = self.contexts.get(rid) if rid is not None else None
         prep = self.store.prepare_store(keys, ctx) if ctx is not None else self.store.prepare_store(keys)
-        if prep is None:
-            self.refused += 1
-            return None
-        if not prep.keys_to_store:
+        if prep is None or not prep.keys_to_store:  # no room, or nothing absent
             return None
         by_key = dict(zip(keys, blocks, strict=True))
         src = [by_key[k] for k in prep.keys_to_store]

@@ -83,15 +83,14 @@ Submit = Callable[[Hop, PlanKind, Hashable | None, bool], Transfer]
 class Demoter:
     """Decides what goes down the chain (write-through after a store, write-back ahead of eviction), and starts it.
 
-    :meth:`settled` continues two-step demotions.
     Every I/O engine moves bytes between the CPU tier and its own medium, so a
     block goes down from the CPU tier in one move, and from a tier below it in two:
-    staged into the CPU tier, then demoted from there.  A block staged only to pass
-    through is dropped from the CPU tier once it is below (it was cold where it
-    came from).  Its passage may still evict a block from the CPU tier (one held
-    below: write-back keeps the CPU tier's oldest blocks held there), which costs
-    hit rate, not data; that is the price of I/O engines that all stage through
-    the CPU tier.
+    staged into the CPU tier, then demoted from there (:meth:`settled` takes that
+    second step).  A block staged only to pass through is dropped from the CPU
+    tier once it is below (it was cold where it came from).  Its passage may
+    still evict a block from the CPU tier (one held below: write-back keeps the
+    CPU tier's oldest blocks held there), which costs hit rate, not data; that
+    is the price of I/O engines that all stage through the CPU tier.
 
     A demotion that fails (a full disk, a server that is down) is not tried again
     for :data:`RETRY_POLLS` polls, so a broken tier costs one failed attempt per
@@ -405,12 +404,11 @@ class TierMoves:
 
     def _count_move(self, move: Move, landed: list[Key]) -> None:
         failed = len(move.keys) - len(landed)
+        c = self.counters[self.media[max(move.src, move.dst)]]  # every move is between the CPU tier and one medium
         if move.dst == 0:
-            c = self.counters[self.media[move.src]]
             c.loaded_blocks += len(landed)
             c.load_failed_blocks += failed
         else:
-            c = self.counters[self.media[move.dst]]
             c.stored_blocks += len(landed)
             c.store_failed_blocks += failed
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import count
 from typing import Any
 
 from tiered_kv.core.block import KVCacheBlock
@@ -65,7 +66,7 @@ class Transfers:
         self.engine = engine
         self.gpu_pool = gpu_pool
         self._live: dict[int, Transfer] = {}
-        self._next_id = 1
+        self._ids = count(1)  # plan ids, in the order plans are made
         self.submitted = 0
         #: Told of the GPU blocks a copy holds when it starts, and gives back when it settles
         #: (the manager keeps per-request counts of the blocks a request alone holds).
@@ -89,10 +90,8 @@ class Transfers:
         ``num_layers`` > 0: copied and reported layer by layer; ``gated``: each
         layer waits until compute opens it (see ``TransferPlan.gated``).
         """
-        pid = self._next_id
-        self._next_id += 1
         return TransferPlan(
-            pid,
+            next(self._ids),
             src_medium,
             dst_medium,
             tuple(src_ids),
