@@ -88,6 +88,16 @@ def page_key(key: object) -> Key:
     )
 
 
+def leading(flags: Sequence[bool]) -> int:
+    """How many of ``flags``, from the first, are true (a present prefix's length)."""
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n
+
+
 def page_view(obj: Any, page_bytes: int, what: str, writable: bool) -> memoryview:
     """``obj``'s bytes as one flat view: a contiguous CPU tensor (any dtype) or a buffer-protocol object.
 
@@ -248,12 +258,7 @@ class PageStore:
 
     def prefix_hits(self, keys: Sequence[PageKey]) -> int:
         """How many of ``keys``, from the first, a get would find (the length of the present prefix)."""
-        n = 0
-        for present in self.exists(keys):
-            if not present:
-                break
-            n += 1
-        return n
+        return leading(self.exists(keys))
 
     # ------------------------------------------------------------ put
     def put(self, keys: Sequence[PageKey], pages: Sequence[Any]) -> list[bool]:
@@ -577,12 +582,7 @@ class ChainedPageStore:
 
     def prefix_hits(self, keys: Sequence[PageKey]) -> int:
         """How many of ``keys``, from the first, some tier holds."""
-        n = 0
-        for present in self.exists(keys):
-            if not present:
-                break
-            n += 1
-        return n
+        return leading(self.exists(keys))
 
     def put(self, keys: Sequence[PageKey], pages: Sequence[Any]) -> list[bool]:
         """Store each page in every tier; per key, whether at least one tier now holds it."""

@@ -50,7 +50,7 @@ from tiered_kv.errors import ConfigError, InvalidArgumentError
 from tiered_kv.integrations.lmcache import page_format
 from tiered_kv.integrations.lmcache.page_format import HEADER_BYTES, ObjectLayout
 from tiered_kv.integrations.lmcache.settings import PluginSettings, plugin_names, read_settings
-from tiered_kv.integrations.page_store import ChainedPageStore, PageStore, PageStoreStats, open_page_store
+from tiered_kv.integrations.page_store import ChainedPageStore, PageStore, PageStoreStats, leading, open_page_store
 
 logger = logging.getLogger(__name__)
 
@@ -503,12 +503,7 @@ class TieredKVStorage(StoragePluginInterface):
             return [False] * len(names)
 
     def _prefix(self, names: list[str]) -> int:
-        n = 0
-        for present in self._exists(names):
-            if not present:
-                break
-            n += 1
-        return n
+        return leading(self._exists(names))
 
     def _forget(self, names: list[str]) -> None:
         try:
