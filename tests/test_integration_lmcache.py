@@ -108,13 +108,6 @@ def image(o) -> tuple:
     )
 
 
-@pytest.fixture
-def redis_server():
-    server = RedisServer()
-    yield server
-    server.stop()
-
-
 @pytest.fixture(params=["disk", "redis", "chain"])
 def tiers(request, tmp_path):
     if request.param == "disk":

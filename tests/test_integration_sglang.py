@@ -70,13 +70,6 @@ def raw(t: torch.Tensor) -> bytes:
     return bytes(t.contiguous().view(torch.uint8).numpy())
 
 
-@pytest.fixture
-def redis_server():
-    server = RedisServer()
-    yield server
-    server.stop()
-
-
 @pytest.fixture(params=["disk", "redis", "chain"])
 def tiers(request, tmp_path):
     if request.param == "disk":

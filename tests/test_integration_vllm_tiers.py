@@ -14,7 +14,7 @@ import os
 import time
 
 import pytest
-from tierutil import RedisServer, free_port
+from tierutil import free_port
 from vllm_env import PROBLEM, offloading_config, vllm_mark
 
 pytestmark = vllm_mark()
@@ -95,13 +95,6 @@ def disk_tier(root, **extra) -> dict:
 
 def redis_tier(url, **extra) -> dict:
     return {"type": "RedisTier", "module_path": MODULE, "url": url, "timeout_s": 0.3, **extra}
-
-
-@pytest.fixture
-def redis_server():
-    server = RedisServer()
-    yield server
-    server.stop()
 
 
 def evict_from_primary(rig: Rig) -> None:

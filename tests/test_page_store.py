@@ -45,13 +45,6 @@ def open_store(*tiers: dict, fault_hook=None, **top):
                            fault_hook=fault_hook)  # fmt: skip
 
 
-@pytest.fixture
-def redis_server():
-    server = RedisServer()
-    yield server
-    server.stop()
-
-
 @pytest.fixture(params=["disk", "redis", "chain"])
 def store(request, tmp_path):
     if request.param == "disk":

@@ -18,7 +18,7 @@ import threading
 
 import pytest
 from test_engine_exact import LAYOUTS, MAX_TOKENS, check
-from tierutil import NS, RedisServer, host, need_redis_server
+from tierutil import NS, host
 
 from tiered_kv.core import BlockHasher
 from tiered_kv.core.request import Request
@@ -55,14 +55,6 @@ def serve(engine: Engine, groups: list[dict[int, list[int]]]) -> None:
 
 def prefix_keys() -> list[bytes]:
     return BlockHasher.create(4, "sha256", seed=0).update(Request("k", PREFIX))
-
-
-@pytest.fixture
-def redis_server():
-    need_redis_server()
-    server = RedisServer()
-    yield server
-    server.stop()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
