@@ -40,7 +40,7 @@ if [ "$what" = vllm ]; then
     # --no-deps: vLLM 0.33.0 asks for torch 2.14 (a CUDA build) and GPU kernels; its offloading and
     # scheduler code runs on the CPU torch above with the modules listed in vllm-requirements.txt.
     # The wheel tests/vllm_source.py fetched and checked, if it is there; else the registry's.
-    wheel="${TIERED_KV_VLLM_CACHE:-$HOME/.cache/tiered_kv/vllm-0.33.0}/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel="${TIERED_KV_VLLM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tiered_kv/vllm-0.33.0}/vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl"
     [ -f "$wheel" ] || wheel="vllm==0.33.0"
     "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps "$wheel"
     "$VENV/bin/pip" install -q --disable-pip-version-check -r scripts/vllm-requirements.txt pytest pytest-benchmark

@@ -7,7 +7,8 @@ pinned SHA-256 digests, and unpacks the parts the tests read. Nothing is install
 loaders beside this file (``vllm_ref_*.py``) import single modules from the unpacked tree with
 stubs for what those modules import.
 
-Cache: ``$TIERED_KV_VLLM_CACHE``, else ``~/.cache/tiered_kv/vllm-0.33.0``. Where vLLM cannot be
+Cache: ``$TIERED_KV_VLLM_CACHE``, else ``$XDG_CACHE_HOME/tiered_kv/vllm-0.33.0`` (``XDG_CACHE_HOME``
+defaulting to ``~/.cache``, as pip's and vLLM's own caches do, so one variable moves them all). Where vLLM cannot be
 fetched (no network) the tests that need it skip with the reason, except under CI (``CI`` set
 to a true value), where they fail: CI must run them.
 """
@@ -43,7 +44,9 @@ def cache_dir() -> Path:
     root = os.environ.get("TIERED_KV_VLLM_CACHE")
     if root:
         return Path(root)
-    return Path.home() / ".cache" / "tiered_kv" / f"vllm-{VLLM_VERSION}"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "tiered_kv" / f"vllm-{VLLM_VERSION}"
 
 
 def _in_ci() -> bool:
