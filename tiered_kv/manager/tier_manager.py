@@ -279,7 +279,9 @@ class TierManager:
             self._bounds.acquired(gpu_hits)
         h = self._held[rid] = Held(request, Residency.GPU)
         self._open_in_store(request)
-        self._counters.count_lookup(request.num_tokens, n_gpu, n_cpu, self.store is not None)
+        self._counters.count_lookup(
+            request.num_tokens, n_gpu, n_cpu, self.store is not None, request.num_preemptions > 0
+        )
         plan = None
         if keys:
             assert self._off is not None
