@@ -89,9 +89,8 @@ class Table:
     def columns(self) -> list[Column]:
         return [c for g in self.groups for c in g.columns]
 
-    def render(self, rows: Sequence[Row], legend: bool = True) -> str:
-        """The title, a header of one or two lines, a rule, one line per row, then (with ``legend``) the legend."""
-        name_w = min(NAME_WIDTH, max([3, *(len(r.run["run"]) for r in rows)]))
+    def head(self, name_w: int) -> list[str]:
+        """The title, the group headings (if any), the column headings and a rule, for run names ``name_w`` wide."""
         lead = f"{'#':>2} {'run':<{name_w}}"
         lines = [self.title]
         if any(g.label for g in self.groups):
@@ -100,7 +99,12 @@ class Table:
                 top += f" {g.label:^{g.width - 1}}" if g.label else " " * g.width
             lines.append(top.rstrip())
         head = lead + "".join(f" {c.head:>{c.width}}" for c in self.columns)
-        lines += [head, "-" * len(head)]
+        return [*lines, head, "-" * len(head)]
+
+    def render(self, rows: Sequence[Row], legend: bool = True) -> str:
+        """:meth:`head`, one line per row, then (with ``legend``) the legend."""
+        name_w = min(NAME_WIDTH, max([3, *(len(r.run["run"]) for r in rows)]))
+        lines = self.head(name_w)
         for r in rows:
             cells = "".join(f" {c.cell(r):>{c.width}}" for c in self.columns)
             lines.append(f"{r.number:>2} {r.run['run'][:name_w]:<{name_w}}{cells}")
@@ -193,7 +197,11 @@ def cpu_tier(run: dict[str, Any]) -> str:
     """
     if not run["cpu_blocks"]:
         return "no CPU tier"
-    what = {"write_through": "write-through and swap-outs", "none": "swap-outs only (no write-through)"}
+    what = {
+        "write_through": "write-through and swap-outs",
+        "write_back": "write-back and swap-outs",
+        "none": "swap-outs only (no write-through)",
+    }
     below = f"; below it: {run['tiers']}" if run.get("tiers") else ""
     return f"CPU tier {run['cpu_kv_gib']:.4g} GiB, filled by {what.get(run['offload'], run['offload'])}{below}"
 
@@ -324,8 +332,8 @@ PREEMPTION = Table(
                     "found",
                     9,
                     _found_again,
-                    "found still cached (GPU or CPU tier), so not recomputed: the victim's own KV "
-                    "found again, not prefix reuse (not counted in the GPU and CPU hit rates)",
+                    "found still cached (GPU or CPU tier), so not recomputed: mostly the victim's own "
+                    "KV, not reuse between requests (left out of the prefix hit rates)",
                 ),
             ),
         ),

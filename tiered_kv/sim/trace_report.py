@@ -91,7 +91,7 @@ def capacity_figure(workload: list[SimRequest], runs: list[dict[str, Any]], setu
     ax.set_xlabel("cache capacity (tokens)")
     ax.set_ylabel("prefix hit rate (% of prompt tokens)")
     ax.grid(True, which="major", alpha=0.3)
-    fig.legend(loc="outside right upper", fontsize=8)
+    fig.legend(loc="outside right center", fontsize=8)
     return fig
 
 
