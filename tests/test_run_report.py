@@ -199,6 +199,7 @@ def test_every_column_is_in_the_legend_under_its_table_in_the_first_regime_only(
         keys = [line.split(":")[0].strip() for line in t.legend() if not line.startswith("      ")]
         for g in t.groups:
             assert not g.label or g.label in keys
+            assert len(g.label) < g.width  # a heading fits over its columns
             for c in g.columns:
                 # a column is explained by an entry naming it (p90 by "p50 p90 p99")
                 assert any(c.head in k.split() or c.head == k for k in keys), (t.title, c.head)

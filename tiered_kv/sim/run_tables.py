@@ -255,6 +255,8 @@ LATENCY = Table(
                 Column("x", 6, _time_x("e2e_s"), ""),
             ),
         ),
+        # Inter-token latency goes here, once the results carry it: a Group("ITL, ms", ...) of p50 and p99
+        # columns 7 wide, as TPOT's in THROUGHPUT (the table is 80 columns wide: room for 16 more).
     ),
 )
 
@@ -295,7 +297,6 @@ THROUGHPUT = Table(
                 Column("p99", 7, _p("tpot_s", "p99", 1e3, ".1f"), ""),
             ),
         ),
-        # Inter-token latency goes here, as a Group("ITL, ms", ...) of p50 and p99, once the results carry it.
     ),
 )
 
