@@ -421,17 +421,52 @@ class TierManager:
 
     @exclusive
     def free(self, request_id: Hashable) -> None:
-        """Release everything the request holds in both tiers (finished or aborted).  Refused mid-copy."""
-        h = self._get(request_id)
-        if h.residency in IN_FLIGHT:
-            raise InvalidTransitionError(
-                f"request {request_id!r} is {h.residency.value} (plan {h.plan_id} in flight); "
-                "cancel the copy or wait for it before freeing"
+        """End a request (finished or aborted): release what it holds in every tier, and close it.
+
+        Every request :meth:`is_open` ends here once, wherever its KV is: on
+        the GPU or the CPU, or already gone (a recompute victim waiting to be
+        admitted again, a failed or cancelled onboarding, a dropped swap),
+        because its request in the CPU store stays open until then (a request
+        re-admitted after a preemption is the same request, as in vLLM).
+        Closing it finishes that request in the store, whose policy then
+        commits the request's uses; its copies may still land afterwards.
+
+        Raises:
+            UnknownRequestError: the request is not open (never admitted here,
+                or freed already).
+            InvalidTransitionError: a copy of its KV is in flight (cancel it or
+                wait for it first).  Nothing changes in either case.
+        """
+        checks.hashable("request_id", request_id)
+        h = self._held.get(request_id)
+        if h is None and request_id not in self._store_requests:
+            raise UnknownRequestError(
+                f"request {request_id!r} is not held by this tier manager and not open in its CPU store "
+                "(never admitted here, or freed already)"
             )
-        self._forget(h)
+        if h is not None:
+            if h.residency in IN_FLIGHT:
+                raise InvalidTransitionError(
+                    f"request {request_id!r} is {h.residency.value} (plan {h.plan_id} in flight); "
+                    "cancel the copy or wait for it before freeing"
+                )
+            self._forget(h)
         ctx = self._store_requests.pop(request_id, None)
         if ctx is not None:  # finished: the store commits the request's recency (its copies may still land)
             self.store.on_request_finished(ctx)  # type: ignore[union-attr]
+
+    @exclusive
+    def is_open(self, request_id: Hashable) -> bool:
+        """Whether :meth:`free` has something to end for the request.
+
+        True from admission until :meth:`free`: while the manager holds the
+        request's KV (:meth:`holds`), and also after it lost it without the
+        request ending (a recompute victim, a failed or cancelled onboarding, a
+        dropped swap), while its request stays open in the CPU store.  Without
+        a CPU store nothing outlives the KV, and this is :meth:`holds`.
+        """
+        rid = checks.hashable("request_id", request_id)
+        return rid in self._held or rid in self._store_requests
 
     def _open_in_store(self, request: Request) -> None:
         """Admission is a new request for the CPU store; a re-admission (after a preemption) is the same one.

@@ -550,7 +550,7 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         rid = req.request_id
-        if self.tm.holds(rid):
+        if self.tm.is_open(rid):  # its KV, or only its request in the CPU store (a recompute victim, a failed load)
             self.tm.free(rid)
         for q in (self.running, self.swapped, self.waiting):
             if req in q:
