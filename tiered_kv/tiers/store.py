@@ -191,7 +191,7 @@ class RequestContext:
         """
         checks.count("first_end", first_end, 1)
         checks.count("step", step, 1)
-        check_keys("keys", keys)
+        keys = check_keys("keys", keys)
         positions = self._positions
         for i, key in enumerate(keys):
             end = first_end + i * step
