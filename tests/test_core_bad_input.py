@@ -200,10 +200,8 @@ def test_bad_block_sizes(bs):
         KVCacheManager(8, block_size=bs)
 
 
-def test_bad_medium_and_empty_prompt():
+def test_bad_medium_and_max_tokens():
     with pytest.raises(InvalidArgumentError, match="medium must be one of"):
         BlockPool(4, medium="TPU")
-    with pytest.raises(InvalidArgumentError, match="at least one token"):
-        Request("r", [])
     with pytest.raises(InvalidArgumentError, match="max_tokens"):
         Request("r", [1], max_tokens=-1)

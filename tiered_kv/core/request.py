@@ -84,8 +84,9 @@ class Request:
                 f"request {request_id!r}: prompt_token_ids must be a sequence of ints, "
                 f"got {checks.describe(prompt_token_ids)}"
             )
-        if len(prompt_token_ids) == 0:
-            raise InvalidArgumentError(f"request {request_id!r}: the prompt must have at least one token")
+        # An empty prompt is a valid record, as vLLM's ``Request`` is (its KV manager allocates for one:
+        # vLLM's test_allocate_with_lookahead); what cannot be served is refused where it would be
+        # served (``Scheduler.add_request``, ``TierManager.admit``), as vLLM's input processor refuses it.
         _check_tokens(request_id, prompt_token_ids)
         if type(max_tokens) is not int or max_tokens < 0:
             raise InvalidArgumentError(

@@ -58,6 +58,12 @@ from tiered_kv.tiers.write_policy import check_write_policy
 from tiered_kv.transfer.engine import CopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
 
+EMPTY_PROMPT = (
+    "the prompt is empty: there is nothing to prefill and nothing to sample from; give it at least one "
+    "token (vLLM refuses it too: 'The decoder prompt cannot be empty')"
+)
+"""Why a request with an empty prompt cannot be served (vLLM 0.33's input processor refuses one)."""
+
 _GPU = Residency.GPU  # read per call of allocate: a module constant is much cheaper than the enum's attribute
 
 
@@ -255,6 +261,8 @@ class TierManager:
         rid = request.request_id
         if rid in self._held:
             raise InvalidTransitionError(f"request {rid!r} is already held ({self._held[rid].residency.value})")
+        if request.num_prompt_tokens == 0:
+            raise InvalidArgumentError(f"request {rid!r}: {EMPTY_PROMPT}")
         if request.num_computed_tokens != 0:
             raise InvalidArgumentError(
                 f"request {rid!r}: a request to admit has no computed tokens, got {request.num_computed_tokens}"

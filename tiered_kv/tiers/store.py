@@ -462,8 +462,8 @@ class BlockStore(abc.ABC):
 
     @property
     def usage(self) -> float:
-        """``num_used / capacity``: occupied slots, evictable ones included."""
-        return self.num_used / self.capacity
+        """``num_used / capacity``: occupied slots, evictable ones included (0 for a store of no capacity)."""
+        return self.num_used / self.capacity if self.capacity else 0.0
 
     @property
     @abc.abstractmethod
