@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 from mgrutil import make_tm, run, tm_snapshot
-from poolutil import pool_snapshot
+from poolutil import letters, pool_snapshot
 
 from tiered_kv.core import BlockHasher, BlockPool, KVCacheBlock, KVCacheManager, Request
 from tiered_kv.errors import BlockStateError, InvalidArgumentError
@@ -119,3 +119,5 @@ def test_a_cpu_store_of_no_capacity_stores_nothing_and_reads_zero_as_vllms_does(
 def test_what_vllm_refuses_too_stays_refused():
     with pytest.raises(InvalidArgumentError, match="num_blocks must be an int >= 1"):
         CPUStore(0)
+    with pytest.raises(InvalidArgumentError, match=r"max_tokens must be an int >= 1 .*got 0"):
+        Request("r", letters("ab"), max_tokens=0)
