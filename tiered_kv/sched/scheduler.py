@@ -90,6 +90,7 @@ class Scheduler:
         self.requests: dict[Hashable, Request] = {}
         self.status: dict[Hashable, RequestStatus] = {}
         self._high_water: dict[Hashable, int] = {}  # recompute victims: tokens they had computed
+        self._passed: dict[Hashable, int] = {}  # marks passed by a step of the batch being built (this step only)
         self._aborting: set[Hashable] = set()
         self._loads: dict[Hashable, TransferHandle] = {}  # layer-wise swap-ins not settled yet
         self._arriving: set[Hashable] = set()  # LOADING or SWAPPING_IN: they hold a seat
@@ -237,6 +238,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch (see the module docstring for the order of things)."""
         self._apply(self.tm.poll())
+        if self._passed:
+            self._passed.clear()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         promised = self.tm.blocks_freed_on_completion()
@@ -376,10 +379,12 @@ class Scheduler:
             if r is req:
                 del out.scheduled[i]
                 out.num_tokens -= n
-                mark = self._high_water.get(req.request_id, 0) if self._high_water else 0
+                rid = req.request_id
+                mark = self._high_water.get(rid, 0) or self._passed.pop(rid, 0)
                 c = req.num_computed_tokens
-                if mark > c:
+                if mark > c:  # it was computing again what a recompute preemption dropped: not this step
                     out.recomputed_tokens -= min(c + n, mark) - c
+                    self._high_water[rid] = mark
                 return n
         return 0
 
@@ -429,11 +434,14 @@ class Scheduler:
         out.scheduled.append((req, n))
         out.num_tokens += n
         rid = req.request_id
-        if self._high_water:  # only recompute victims have a mark, until a computed step passes it (update)
+        if self._high_water:  # only recompute victims have a mark, until they pass it again
             mark = self._high_water.get(rid, 0)
             c = req.num_computed_tokens
             if mark > c:
                 out.recomputed_tokens += min(c + n, mark) - c
+                if c + n >= mark:
+                    del self._high_water[rid]
+                    self._passed[rid] = mark  # until the step is over: a priority victim leaving the batch keeps it
         if self._loads and rid in self._loads:  # landing layer by layer: the driver waits on it per layer
             out.loads[rid] = self._loads[rid]
 
@@ -588,7 +596,7 @@ class Scheduler:
                 self._apply([self.tm.process_completion(h)])
         finished: list[Request] = []
         on_tokens_computed = self.tm.on_tokens_computed
-        fresh, high_water = self._fresh, self._high_water
+        fresh = self._fresh
         for req, n in out.scheduled:
             rid = req.request_id
             if status.get(rid) is not running or (failed and rid in failed):
@@ -597,8 +605,6 @@ class Scheduler:
                 fresh.discard(rid)  # it made progress: it may be preempted again
             c = req.num_computed_tokens
             req.num_computed_tokens = c + n
-            if high_water and high_water.get(rid, 0) <= c + n:
-                high_water.pop(rid, None)  # it has computed again all it had computed before its recompute
             if c < req.num_prompt_tokens:
                 on_tokens_computed(rid)
             tokens = req.all_token_ids
