@@ -65,12 +65,13 @@ def test_an_instance_of_ones_own_policy_is_taken_by_the_scheduler_config():
     policy = FirstAdmittedPolicy()
     cfg = SchedulerConfig(victim_policy=policy)
     assert cfg.victim_policy is policy
-    assert victims(policy) == [("B", R), ("C", R)]  # A needed room: the first admitted of the others went
+    # A needs room; as in vLLM's loop the requester is a candidate too, and it is the first admitted.
+    assert victims(policy) == [("A", R), ("B", R)]
 
 
 def test_a_registered_name_is_taken_by_every_config_and_by_the_simulator(registry):
     register_victim_policy("first_admitted", FirstAdmittedPolicy)
-    assert victims("first_admitted") == [("B", R), ("C", R)]
+    assert victims("first_admitted") == [("A", R), ("B", R)]
     assert EngineConfig(victim_policy="first_admitted").scheduler_config().victim_policy == "first_admitted"
     cfg = simutil.config(  # a small, slow GPU under a queue of 40 requests: there is preemption
         workload__num_requests=40,
@@ -93,7 +94,7 @@ def test_a_registered_name_is_taken_by_every_config_and_by_the_simulator(registr
 
 def test_a_qualified_class_name_is_taken_without_registration(registry):
     assert "first_admitted" not in registry
-    assert victims(QUALIFIED) == [("B", R), ("C", R)]
+    assert victims(QUALIFIED) == [("A", R), ("B", R)]
     assert EngineConfig(victim_policy=QUALIFIED).victim_policy == QUALIFIED
     simutil.config(runs=[{"name": "mine", "victim_policy": QUALIFIED}])  # a run validates it, importing the module
 

@@ -159,6 +159,10 @@ class TierManager:
         hash_fn / hash_seed: Block hashing (shared by both tiers).
         evict_window: With ``offload="write_back"``, how many blocks at the
             eviction end of the GPU free queue are kept stored on the CPU.
+        watermark: vLLM 0.33's KV-cache watermark: a fraction in ``[0, 1)`` of
+            the GPU pool (null block included) that an admission must leave
+            free while other requests run (:attr:`watermark_blocks`); ``0.0``,
+            vLLM's default, keeps none.
         log_size: Entries :attr:`decision_log` and :attr:`load_log` keep: the
             latest ones, so a long run's memory does not grow with its
             requests (each log's ``total`` counts every entry); ``None`` keeps all.
@@ -184,6 +188,7 @@ class TierManager:
         hash_seed: int = 0,
         evict_window: int = 64,
         log_size: int | None = DEFAULT_LOG_SIZE,
+        watermark: float = 0.0,
     ) -> None:
         check_write_policy("offload", offload)
         if num_cpu_blocks.__class__ is not int or num_cpu_blocks < 0 or num_cpu_blocks == 1:
@@ -208,6 +213,7 @@ class TierManager:
             enable_caching=enable_caching,
             hash_fn=hash_fn,
             hash_seed=hash_seed,
+            watermark=watermark,
         )
         self.cost_model: CostModel = checked_cost_model(kv_spec, cost_model, copy_engine, block_size)
         spec = kv_spec if kv_spec is not None else getattr(copy_engine, "spec", None)
@@ -247,17 +253,39 @@ class TierManager:
 
     # ============================================================ admission
     @exclusive
-    def admit(self, request: Request, max_new_tokens: int, num_lookahead_tokens: int = 0) -> Admission | None:
+    def admit(
+        self,
+        request: Request,
+        max_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        *,
+        chunked: bool = True,
+        full_sequence_must_fit: bool = False,
+        has_scheduled_reqs: bool = True,
+    ) -> Admission | None:
         """First allocation of a request: prefix lookup on the GPU, then the CPU store; ``None`` if it does not fit.
 
         GPU hits are touched.  CPU hits are pinned and loaded into fresh GPU
         blocks by an ONBOARD plan; the request may run once it lands.  New
         tokens start after every hit and are capped at ``max_new_tokens``.
         Every argument is checked before anything changes.
+
+        The gates of vLLM 0.33's waiting loop, each a refusal (``None``, nothing
+        changed) as in vLLM: ``chunked=False`` refuses a request whose tokens
+        left after its hits exceed ``max_new_tokens`` (a prefill that must fit
+        one step); ``full_sequence_must_fit`` (vLLM's ``scheduler_reserve_full_isl``)
+        refuses one whose whole sequence the pool could not hold now; and while
+        ``has_scheduled_reqs`` (other requests are running) the admission must
+        leave :attr:`watermark_blocks` free.  A load from below the CPU tier
+        that comes out shorter than found leaves more to compute, chunked at
+        ``max_new_tokens`` even with ``chunked=False``.
         """
         checks.instance("request", request, Request)
         checks.count("max_new_tokens", max_new_tokens, 1)
         checks.count("num_lookahead_tokens", num_lookahead_tokens)
+        checks.flag("chunked", chunked)
+        checks.flag("full_sequence_must_fit", full_sequence_must_fit)
+        checks.flag("has_scheduled_reqs", has_scheduled_reqs)
         rid = request.request_id
         if rid in self._held:
             raise InvalidTransitionError(f"request {rid!r} is already held ({self._held[rid].residency.value})")
@@ -275,8 +303,12 @@ class TierManager:
         else:
             keys = self._off.cpu_hits(request, len(gpu_hits)) if self._off is not None and self.caching else []
         n_cpu = len(keys) * self.block_size
-        n_new = min(max_new_tokens, request.num_tokens - n_gpu - n_cpu)
-        need = self.gpu.num_blocks_to_allocate(request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens)
+        rest = request.num_tokens - n_gpu - n_cpu
+        if not chunked and rest > max_new_tokens:
+            return None
+        n_new = min(max_new_tokens, rest)
+        gates = {"full_sequence_must_fit": full_sequence_must_fit, "has_scheduled_reqs": has_scheduled_reqs}
+        need = self.gpu.num_free_blocks_required(request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, **gates)
         if need > self.gpu.block_pool.get_num_free_blocks():
             return None
         if found is not None:  # fits: pin and stage now (fewer blocks need no more room)
@@ -284,7 +316,7 @@ class TierManager:
             keys, n_cpu = reserved.keys, len(reserved.keys) * self.block_size
             n_new = min(max_new_tokens, request.num_tokens - n_gpu - n_cpu)
         new = self.gpu.allocate_slots(
-            request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, num_external_computed_tokens=n_cpu
+            request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, num_external_computed_tokens=n_cpu, **gates
         )
         assert new is not None, "allocation was checked to fit"
         if gpu_hits:
@@ -829,6 +861,15 @@ class TierManager:
     @exclusive
     def num_free_gpu_blocks(self) -> int:
         return self.gpu.block_pool.get_num_free_blocks()
+
+    @property
+    def watermark_blocks(self) -> int:
+        """GPU blocks an admission leaves free while other requests run (vLLM's ``int(watermark * num_blocks)``).
+
+        :meth:`admit` applies it; a scheduler resuming a swapped request (a
+        preempted one coming back) applies it too.
+        """
+        return self.gpu.watermark_blocks
 
     @exclusive
     def blocks_short(self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0) -> int:

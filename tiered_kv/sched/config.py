@@ -43,6 +43,13 @@ class SchedulerConfig:
             the step their load starts: :attr:`SchedulerOutput.loads` names the
             handle whose layer ``i`` a driver must wait for before layer ``i``
             of that request (the load overlaps the layers before it).
+        scheduler_reserve_full_isl: vLLM 0.33's admission gate, under its name
+            and with its default (on): a waiting request is admitted only when
+            the GPU pool could hold its whole sequence now (every token, its
+            prefix hits counted as held), not only its first chunk, so chunked
+            prefill does not admit more than can finish and preempt the rest.
+            (A swapped request, which vLLM does not have, resumes with room for
+            its KV and its next step, as before.)
     """
 
     max_num_batched_tokens: int = 8192
@@ -52,6 +59,7 @@ class SchedulerConfig:
     victim_policy: str | VictimPolicy = "last_admitted"
     mode: str = "auto"
     layerwise: bool = False
+    scheduler_reserve_full_isl: bool = True
 
     def __post_init__(self) -> None:
         checks.count("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -72,3 +80,4 @@ class SchedulerConfig:
         check_victim_policy("victim_policy", self.victim_policy)
         checks.choice("mode", self.mode, MODES)
         checks.flag("layerwise", self.layerwise)
+        checks.flag("scheduler_reserve_full_isl", self.scheduler_reserve_full_isl)

@@ -86,6 +86,9 @@ class RunSetup:
     note: str = ""
     vs: str | None = None
     tiers: TierSetup = NO_TIERS
+    prefix_caching: bool = True
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
 
 
 def find_config(ref: str | Path | None) -> Path | Traversable:
@@ -460,6 +463,7 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
     max_tokens = s["max_num_batched_tokens"] if s["max_num_batched_tokens"] is not None else tokens_default
     max_seqs = s["max_num_seqs"] if s["max_num_seqs"] is not None else min(seqs_default, max_tokens)
     tiers = resolve_tiers(run["tiers"], hw.tiers, block_bytes, max(n_cpu, 0), run["offload"], f"{rkey}.tiers")
+    _check_prefix_caching(cfg["memory"]["prefix_caching"], run, rkey)
     return RunSetup(
         name=run["name"],
         victim_policy=run["victim_policy"],
@@ -488,4 +492,16 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
         note=run["note"],
         vs=run["vs"],
         tiers=tiers,
+        prefix_caching=cfg["memory"]["prefix_caching"],
+        scheduler_reserve_full_isl=s["scheduler_reserve_full_isl"],
+        watermark=s["watermark"],
     )
+
+
+def _check_prefix_caching(on: bool, run: dict[str, Any], rkey: str) -> None:
+    """A CPU prefix tier (offload, which tiers below the CPU need too) is keyed by block hash: it needs caching."""
+    if not on and run["offload"] != "none":
+        raise ConfigError(
+            f"{rkey}.offload: {run['offload']} keeps a CPU prefix tier, which needs prefix caching, but "
+            "memory.prefix_caching is false; give offload: none, or turn prefix caching on"
+        )

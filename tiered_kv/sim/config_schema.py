@@ -73,6 +73,10 @@ def _scheduling(value: Any) -> str:
     )
 
 
+def _watermark(v: Any) -> str | None:
+    return None if 0 <= v < 1 else f"must be in [0, 1) (a fraction of the GPU KV blocks, vLLM's range), got {v}"
+
+
 def _length(default_dist: str, value: int) -> dict[str, Any]:
     return {
         "dist": choice(default_dist, "fixed", "uniform", "lognormal"),
@@ -129,6 +133,9 @@ SCHEMA: dict[str, Any] = {
         "activation_reserve_gib": num(2.0, non_negative),
         "gpu_blocks": Field((int,), None, None, (positive,), nullable=True),
         "cpu_blocks": Field((int,), None, None, (non_negative,), nullable=True),
+        # vLLM's enable_prefix_caching (--no-enable-prefix-caching: false): off, nothing is cached
+        # on the GPU, so a preempted request cannot find its own freed blocks again.
+        "prefix_caching": Field((bool,), True),
     },
     "scheduler": {
         # None: vLLM v1's defaults for the hardware (HardwareProfile.vllm_default_limits).
@@ -136,6 +143,12 @@ SCHEMA: dict[str, Any] = {
         "max_num_seqs": Field((int,), None, None, (positive,), nullable=True),
         "chunked_prefill": Field((bool,), True),
         "scheduling": Retired(_scheduling),
+        # vLLM 0.33's admission gate, its name and default: admit a request only when its whole
+        # prompt fits the GPU pool, not only its first chunk.
+        "scheduler_reserve_full_isl": Field((bool,), True),
+        # vLLM 0.33's KV-cache watermark: the fraction of the GPU pool an admission leaves free
+        # while requests run.
+        "watermark": num(0.0, _watermark),
     },
     # Overrides of the hardware profile's fitted step model (None: the profile's).
     "compute": {

@@ -126,6 +126,8 @@ class Simulator:
             cost_model=setup.cost_model,
             offload=setup.offload,
             hash_fn=setup.hash_fn,
+            enable_caching=setup.prefix_caching,
+            watermark=setup.watermark,
         )
         #: The I/O engine of each tier below the CPU (medium -> engine), when the run has such tiers.
         self.tier_engines = tier_io.attach(tm, self.loop, setup.tiers, geometry.bytes_per_block)
@@ -140,6 +142,7 @@ class Simulator:
                 setup.chunked_prefill,
                 victim_policy=setup.victim_policy,
                 mode=setup.mode,
+                scheduler_reserve_full_isl=setup.scheduler_reserve_full_isl,
             ),
         )
 
