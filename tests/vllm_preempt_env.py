@@ -175,6 +175,7 @@ def build_config(
     connector: str | None = "TieredKVConnector",
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 128,
+    long_prefill: int = 0,
     async_scheduling: bool = False,
     policy: str = "fcfs",
     failure_policy: str = "recompute",
@@ -187,6 +188,7 @@ def build_config(
         max_model_len=2048,
         is_encoder_decoder=False,
         policy=policy,
+        long_prefill_token_threshold=long_prefill,
     )
     cache = CacheConfig(block_size=BS, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
     kv = None
@@ -268,6 +270,7 @@ class Rig:
     scheduler_stats: list[Any] = field(default_factory=list)  # what vLLM's frontend receives with each output
     pipelined: bool = False  # schedule step N+1 before step N's output is processed (vLLM's async scheduling)
     tokens: dict[str, list[int]] = field(default_factory=dict)  # per request, its tokens as the model runner knows them
+    added: dict[str, Any] = field(default_factory=dict)  # every request added, finished ones included
     _pending: Any = None
     _kv: dict[str, tuple[list[int], int]] = field(default_factory=dict)  # request -> (its table, tokens of KV)
     _at_preemption: dict[str, tuple[int, list[bytes]]] = field(default_factory=dict)
@@ -314,6 +317,7 @@ class Rig:
             arrival_time=arrival,
         )
         self.scheduler.add_request(req)
+        self.added[rid] = req
         self.computed[rid] = []
         self.tokens[rid] = list(prompt)
 
