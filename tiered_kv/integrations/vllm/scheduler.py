@@ -124,7 +124,8 @@ class TieredKVScheduler(Scheduler):
 
     Raises:
         ConfigError: a bad ``preemption`` object; a swap mode without tiered_kv's
-            connector; a swap mode for a model whose KV layout swaps do not support.
+            connector, without ``kv_load_failure_policy: recompute``, or for a model
+            whose KV layout swaps do not support.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> TieredKVScheduler:
@@ -152,6 +153,13 @@ class TieredKVScheduler(Scheduler):
             why = swap_supported(self.kv_cache_config)
             if why is not None:
                 raise ConfigError(f"preemption.mode {self.preemption.mode!r} cannot swap: {why}; use 'recompute'")
+            assert kv is not None
+            if kv.kv_load_failure_policy != "recompute":
+                raise ConfigError(
+                    f'preemption.mode {self.preemption.mode!r} needs "kv_load_failure_policy": "recompute" in '
+                    f"--kv-transfer-config (it is {kv.kv_load_failure_policy!r}, vLLM's default): a swapped victim "
+                    "whose load fails must recompute, not fail"
+                )
         self._store: TieredKVConnectorScheduler | None = store
         self.counters: PreemptionCounters = store.counters if store is not None else PreemptionCounters()
         self.decisions: BoundedLog[VictimDecision] = BoundedLog()
