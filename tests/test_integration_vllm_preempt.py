@@ -54,6 +54,8 @@ def test_swapped_victims_resume_with_the_bytes_they_had(swapped: Rig) -> None:
     decisions = list(sched.decisions)
     assert len(decisions) >= 2 and all(d.mode is PreemptMode.SWAP for d in decisions)
     assert sorted(r.request_id for r in swapped.resumes) == sorted(d.victim for d in decisions)
+    for d in decisions:  # the quote's facts are what the store did: the blocks the CPU tier lacked
+        assert d.quote is not None and d.stored_blocks == d.quote.blocks_to_move and d.quote.can_swap, d
     for r in swapped.resumes:
         assert r.bytes_equal, f"{r.request_id} resumed with other KV bytes than it had"
         # Every full block came back (GPU hits or CPU loads); only the partial last block is recomputed.
