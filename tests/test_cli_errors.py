@@ -92,7 +92,7 @@ ROWS = {
     "simulate-config-is-dir": Row(["simulate", "d"], r"config: 'd' is a directory, not a file", {"d": "/"}),
     "simulate-bad-yaml": Row(["simulate", "c.yaml"], r"'c.yaml' is not valid YAML at line 2", {"c.yaml": "a: [1\n"}),
     "simulate-config-not-mapping": Row(["simulate", "c.yaml"], r"config: expected a mapping", {"c.yaml": "- 1\n"}),
-    # an empty file is a mistake, not a request to run every default (the main experiment)
+    # an empty file is a mistake, not a request to run every default (the synthetic experiment)
     "simulate-empty-config": Row(
         ["simulate", "c.yaml"], r"config: 'c\.yaml' is empty; a config says what", {"c.yaml": ""}
     ),

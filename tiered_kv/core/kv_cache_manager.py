@@ -98,8 +98,8 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         hashes = self.hasher.update(request)
-        # Cap: the last prompt token must be recomputed to produce logits.
-        max_blocks = (len(request.all_token_ids) - 1) // self.block_size
+        # Cap: the last prompt token must be recomputed to produce logits (an empty prompt: nothing to find).
+        max_blocks = max(len(request.all_token_ids) - 1, 0) // self.block_size
         computed = self.block_pool.get_cached_prefix(hashes, max_blocks)
         num_tokens = len(computed) * self.block_size
         if self.log_stats:

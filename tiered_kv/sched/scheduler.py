@@ -55,7 +55,7 @@ from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, Unkno
 from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.outcomes import Completion, Preemption
 from tiered_kv.manager.states import PreemptMode, Residency
-from tiered_kv.manager.tier_manager import TierManager
+from tiered_kv.manager.tier_manager import EMPTY_PROMPT, TierManager
 from tiered_kv.manager.victim_policy import Candidate, get_victim_policy, select_victims
 from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sched.output import SchedulerOutput
@@ -116,6 +116,8 @@ class Scheduler:
             raise InvalidArgumentError(f"request {rid!r} was already added")
         if request.num_computed_tokens != 0 or request.is_finished:
             raise InvalidArgumentError(f"request {rid!r} must be new: no computed tokens, not finished")
+        if request.num_prompt_tokens == 0:
+            raise InvalidArgumentError(f"request {rid!r}: {EMPTY_PROMPT}")
         cfg = self.config
         longest = request.num_prompt_tokens + max(request.max_tokens - 1, 0)
         if not cfg.chunked_prefill and longest > cfg.max_num_batched_tokens:
@@ -550,7 +552,7 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         rid = req.request_id
-        if self.tm.holds(rid):
+        if self.tm.is_open(rid):  # its KV, or only its request in the CPU store (a recompute victim, a failed load)
             self.tm.free(rid)
         for q in (self.running, self.swapped, self.waiting):
             if req in q:

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 GIB = 1 << 30
-DEFAULT_CONFIG = "oversubscribed-llama3-8b-h200"  # the main experiment, shipped in configs/
+# The synthetic experiment, shipped in configs/ (the main job, scripts/run-main.sh, is mooncake-llama3-8b-h200).
+DEFAULT_CONFIG = "oversubscribed-llama3-8b-h200"
 __all__ = [
     "RunSetup",
     "config_from_raw",
@@ -88,7 +89,7 @@ class RunSetup:
 
 
 def find_config(ref: str | Path | None) -> Path | Traversable:
-    """The config file for ``ref``: a path, the name of a shipped config, or None for the main experiment."""
+    """The config file for ``ref``: a path, the name of a shipped config, or None for the synthetic experiment."""
     if ref is None:
         ref = DEFAULT_CONFIG
     p = Path(ref).expanduser()
@@ -179,7 +180,7 @@ def read_config(path: str | Path | None = None) -> tuple[Any, str]:
     if raw is None or raw == {}:  # an empty file is a mistake, never a request for the defaults
         raise ConfigError(
             f"config: '{src}' is empty; a config says what to simulate (see configs/quickstart-l40s.yaml), "
-            "and `tiered-kv simulate` with no config runs the main experiment"
+            "and `tiered-kv simulate` with no config runs the synthetic experiment"
         )
     if isinstance(src, Path):
         raw = resolve_paths(raw, src.resolve().parent)
@@ -191,7 +192,7 @@ def load_config(
     overrides: dict[str, Any] | None = None,
     calibration: Calibration | None = None,
 ) -> dict[str, Any]:
-    """Read and validate a YAML config (``None``: the main experiment; a bare name: a shipped config).
+    """Read and validate a YAML config (``None``: the synthetic experiment; a bare name: a shipped config).
 
     Relative paths inside the config (profile files, a trace) are resolved
     against the config file's directory.  With ``calibration``, runs are

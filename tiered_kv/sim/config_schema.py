@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiered_kv.manager.victim_policy import RENAMED_VICTIM_POLICIES, VICTIM_POLICIES, renamed_victim_policy_hint
+from tiered_kv.manager.victim_policy import (
+    RENAMED_VICTIM_POLICIES,
+    VICTIM_POLICIES,
+    renamed_victim_policy_hint,
+    victim_policy_class,
+)
 from tiered_kv.sim.link import LAYOUTS, MODES
 from tiered_kv.sim.schema import (
     REQUIRED,
@@ -40,11 +45,17 @@ def _run_policy(value: Any) -> str:
 
 
 def _victim_policy(value: str) -> str | None:
-    if value in VICTIM_POLICIES:
+    found = victim_policy_class(value)  # a registered name, or a qualified class name (imported here)
+    if not isinstance(found, str):
         return None
     if value in RENAMED_VICTIM_POLICIES:
         return f"{value!r} was renamed: {renamed_victim_policy_hint(value)}"
-    return f"must be one of {sorted(VICTIM_POLICIES)}, got {value!r}"
+    if "." in value:
+        return found  # why the qualified name names no policy
+    return (
+        f"must be one of {sorted(VICTIM_POLICIES)} (or a policy of your own: registered with "
+        f"register_victim_policy, or its class's qualified name package.module.ClassName), got {value!r}"
+    )
 
 
 def _offload(value: str) -> str | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.obs.recorder import MetricsRecorder, Reading
-from tiered_kv.sim import trace_formats, trace_report
+from tiered_kv.sim import run_tables, trace_formats, trace_report
 from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import Calibration, load_calibration
 from tiered_kv.sim.config import config_from_raw, derived_fields, read_config, setup
@@ -27,7 +27,7 @@ from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.files import write_text
 from tiered_kv.sim.progress import Progress
 from tiered_kv.sim.records import jsonl
-from tiered_kv.sim.report import kv_demand, plot, regime_verdict, table, write_json
+from tiered_kv.sim.report import fit_lines, kv_demand, plot, regime_verdict, write_json
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.tier_report import has_tiers, tier_table
 from tiered_kv.sim.timeline import chrome_trace
@@ -172,9 +172,12 @@ def _plan(
 def _report_regimes(
     regimes: list[tuple], results: list[dict[str, Any]], emit: Callable[[str], None]
 ) -> list[dict[str, Any]]:
-    """Print each regime's verdict and tables; return the regime summaries of the results document."""
+    """Print each regime's verdict and tables; return the regime summaries of the results document.
+
+    The legends are printed under the first regime's tables only: the others' columns are the same.
+    """
     summaries = []
-    for name, rate, expect, _ in regimes:
+    for k, (name, rate, expect, _) in enumerate(regimes):
         runs = [r for r in results if r["regime"] == name]
         verdict = regime_verdict(runs, rate)
         summaries.append({"name": name, "rate": rate, "expect": expect, **verdict})
@@ -183,10 +186,10 @@ def _report_regimes(
             emit(f"regime {name}: {rate:g} requests/s offered; {verdict['text']}")
             if expect is not None and expect != verdict["regime"]:
                 emit(f"  note: this regime was meant to be {expect!r}, but the measurements say {verdict['regime']!r}")
-        emit(table(runs))
+        emit(run_tables.report(runs, legend=k == 0))
         if has_tiers(runs):
             emit("")
-            emit(tier_table(runs))
+            emit(tier_table(runs, legend=k == 0))
     return summaries
 
 
@@ -245,6 +248,7 @@ def simulate(
     ``metrics_path`` the Prometheus text exposition of every run (labels
     ``run`` and ``regime``; ``docs/metrics.md``).
     """
+    emit = fit_lines(emit)  # every line within 100 columns: prose is wrapped (the tables are narrow)
     cal = load_calibration(calibration) if calibration is not None else None
     raw, stem = read_config(config)
     regimes = regime_configs(raw, stem, overrides, cal)
@@ -282,9 +286,6 @@ def simulate(
     results = [o["result"] for o in outs]
     summaries = _report_regimes(regimes, results, emit)
     replayed = cfg0["workload"]["trace"] is not None
-    if replayed:  # a real workload: say where each run's difference comes from
-        emit("")
-        emit(trace_report.gains_table(results, first.block_size))
     doc = {
         "name": cfg0["name"],
         "hardware": where,
@@ -298,7 +299,8 @@ def simulate(
     _write_outputs(doc, outs, emit, json_path, requests_path, timeline_path, metrics_path, plots_dir)
     if replayed and plots_dir is not None:
         setups = [setup(cfg0, i, cal) for i in range(len(cfg0["runs"]))]
-        for p in trace_report.plot(workloads[regimes[0][0]], results, setups, plots_dir, cfg0["name"]):
+        runs0 = [r for r in results if r["regime"] == regimes[0][0]]
+        for p in trace_report.plot(workloads[regimes[0][0]], runs0, setups, plots_dir, cfg0["name"]):
             emit(f"wrote {p}")
     return doc
 

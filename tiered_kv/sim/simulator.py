@@ -467,6 +467,17 @@ class Simulator:
             "recompute_s": recompute_s,
             "gpu_prefix_hit_rate": m.gpu_hit_rate,
             "cpu_prefix_hit_rate": m.cpu_hit_rate,
+            # Tokens looked up and found at admission, kept apart as vLLM does: a request's first
+            # admission (hits are prefix reuse between requests) and the re-admission of a recompute
+            # victim (hits are mostly its own KV found again, not reuse).
+            "lookup_tokens": {
+                "first": {"tokens": c.gpu_query_tokens, "gpu": c.gpu_hit_tokens, "cpu": c.cpu_hit_tokens},
+                "readmitted": {
+                    "tokens": c.preempted_gpu_query_tokens,
+                    "gpu": c.preempted_gpu_hit_tokens,
+                    "cpu": c.preempted_cpu_hit_tokens,
+                },
+            },
             "transfer_s": transfer_s,
             "transfer_hidden_s": hidden,
             "transfer_exposed_s": transfer_s - hidden,
