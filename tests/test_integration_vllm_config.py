@@ -63,10 +63,14 @@ def test_every_key_vllm_reads_is_accepted() -> None:
     [
         ({"mood": "swap"}, r"preemption: unknown key\(s\) \['mood'\] \('mood': did you mean 'mode'\?\)"),
         ({"mode": "swapp"}, r"preemption.mode: 'swapp' is not one of \['swap', 'recompute', 'auto'\]"),
-        ({"victim_policy": "largets"}, r"unknown victim policy 'largets' \(did you mean 'largest'\?\); the victim"),
-        ({"victim_policy": "lru"}, r"the victim policies are \['cost_aware', 'largest', 'last_admitted', 'prefill"),
-        ({"victim_policy": "no_such_module.Policy"}, r"cannot import 'no_such_module.Policy'"),
-        ({"victim_policy": "collections.OrderedDict"}, r"'collections.OrderedDict' is not a VictimPolicy subclass"),
+        (
+            {"victim_policy": "largets"},
+            r"preemption.victim_policy: unknown victim policy 'largets'; the victim policies"
+            r" are \['cost_aware', 'largest', 'last_admitted', 'prefill_aware'\].* \(did you mean 'largest'\?\)",
+        ),
+        ({"victim_policy": "lru"}, r"unknown victim policy 'lru'; it is now called 'last_admitted'"),
+        ({"victim_policy": "no_such_module.Policy"}, r"cannot import module 'no_such_module' for victim policy"),
+        ({"victim_policy": "collections.OrderedDict"}, r"collections.OrderedDict is not a subclass of VictimPolicy"),
         ({"cost_model": {"prefill_tokns_per_s": 1}}, r"preemption.cost_model: unknown key\(s\) \['prefill_tokns"),
         ({"cost_model": {"prefill_tokens_per_s": -1}}, r"preemption.cost_model: cost model: prefill_tokens_per_s"),
         ({"mode": "auto"}, r"preemption.cost_model.prefill_tokens_per_s is required: mode 'auto'"),

@@ -26,6 +26,7 @@ if PROBLEM is None:
 
     from tiered_kv.integrations.vllm import TieredKVAsyncScheduler, TieredKVScheduler
     from tiered_kv.manager.states import PreemptMode
+    from tiered_kv.manager.victim_policy import VICTIM_POLICIES, VictimPolicy, register_victim_policy
 
 POLICIES = ("last_admitted", "largest", "prefill_aware", "cost_aware")
 COSTS = {"prefill_tokens_per_s": 2000, "d2h_bytes_per_s": 1e9, "h2d_bytes_per_s": 1e9}
@@ -88,7 +89,7 @@ def test_every_victim_the_policy_chose_is_the_one_vllm_preempted(
 HAND_COSTS = {"prefill_tokens_per_s": 1000, "prefill_overhead_s": 1.0}
 
 
-def hand_built(victim_policy: str) -> tuple[Rig, dict[str, tuple[int, int, int, int]]]:
+def hand_built(victim_policy: object) -> tuple[Rig, dict[str, tuple[int, int, int, int]]]:
     rnd = random.Random(5)
 
     def tokens(n: int) -> list[int]:
@@ -142,12 +143,22 @@ def test_each_policy_picks_the_request_its_docstring_names(victim_policy: str, v
     assert quote is not None and quote.blocks_freed == facts[victim][1] and quote.num_tokens == facts[victim][2]
 
 
-def test_a_policy_given_as_an_instance_or_a_qualified_class_name() -> None:
-    from tiered_kv.manager.victim_policy import LargestPolicy
+class SmallestFirst(VictimPolicy if PROBLEM is None else object):  # type: ignore[misc]
+    """A user's own policy: fewest GPU blocks first, the earliest admitted among equals."""
 
-    config = {"mode": "recompute", "victim_policy": LargestPolicy(), "cost_model": HAND_COSTS}
-    rig = Rig.build(TieredKVScheduler, extra_config(config), 34)
-    assert rig.scheduler.preemption.victim_policy is config["victim_policy"]
-    named = "tiered_kv.manager.victim_policy.PrefillAwarePolicy"
-    rig = Rig.build(TieredKVScheduler, extra_config({"mode": "recompute", "victim_policy": named}), 34)
-    assert type(rig.scheduler.preemption.victim_policy).__name__ == "PrefillAwarePolicy"
+    name = "smallest_first"
+
+    def key(self, c, mode):
+        return (c.num_gpu_blocks, c.rank)
+
+
+def test_a_users_own_policy_as_an_instance_a_registered_name_or_a_qualified_class_name() -> None:
+    if "smallest_first" not in VICTIM_POLICIES:
+        register_victim_policy("smallest_first", SmallestFirst)
+    instance = SmallestFirst()
+    for given in (instance, "smallest_first", f"{__name__}.SmallestFirst"):
+        rig, _ = hand_built(given)
+        policy = rig.scheduler.preemption.victim_policy
+        assert type(policy) is SmallestFirst and (policy is instance) == (given is instance)
+        (d,) = rig.scheduler.decisions
+        assert (d.chosen, d.victim) == ("C", "C")  # C and E hold 4 blocks each, C was admitted first

@@ -17,7 +17,6 @@ name or an instance.
 from __future__ import annotations
 
 import difflib
-import importlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,45 +93,26 @@ def check_keys(where: str, given: Iterable[str], known: Iterable[str]) -> None:
 
 
 def resolve_victim_policy(value: Any, cost_model: CostModel | None = None) -> VictimPolicy:
-    """The victim policy ``value`` names: a built-in name, a qualified class name, a class, or an instance.
+    """The victim policy ``value`` stands for, as tiered_kv's own scheduler resolves one.
 
-    A qualified name (``package.module.ClassName``) or a class must be a
-    :class:`~tiered_kv.manager.victim_policy.VictimPolicy` subclass; it is
-    built with no arguments.  A built-in name is looked up in
-    :data:`~tiered_kv.manager.victim_policy.VICTIM_POLICIES` (``cost_aware``
-    gets ``cost_model`` for its cheap bound).
+    A :class:`~tiered_kv.manager.victim_policy.VictimPolicy` instance, a name
+    (built-in, or given to :func:`~tiered_kv.manager.victim_policy.register_victim_policy`
+    in the process vLLM's scheduler runs in), or a subclass's qualified name
+    ``package.module.ClassName`` (the form that reaches vLLM's engine process from
+    the command line); from Python, also the class itself.  A named policy is
+    built by its ``create(cost_model)``.
 
     Raises:
-        ConfigError: anything else, naming the known policies.
+        ConfigError: anything else, naming the known policies (and a near spelling).
     """
-    if isinstance(value, VictimPolicy):
-        return value
-    known = f"the victim policies are {sorted(VICTIM_POLICIES)}, or a VictimPolicy subclass as 'package.module.Class'"
-    cls: Any = value
-    if isinstance(value, str) and "." in value:
-        module_name, _, class_name = value.rpartition(".")
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"preemption.victim_policy: cannot import {value!r} ({exc}); {known}") from None
-    if isinstance(cls, type):
-        if not issubclass(cls, VictimPolicy):
-            raise ConfigError(f"preemption.victim_policy: {value!r} is not a VictimPolicy subclass; {known}")
-        try:
-            return cls()
-        except TypeError as exc:
-            raise ConfigError(
-                f"preemption.victim_policy: {value!r} cannot be built without arguments ({exc}); "
-                "pass an instance instead (the Python API accepts one in kv_connector_extra_config)"
-            ) from None
-    if not isinstance(value, str):
-        raise ConfigError(f"preemption.victim_policy: expected a name or a VictimPolicy, got {value!r}; {known}")
+    if isinstance(value, type) and issubclass(value, VictimPolicy) and value is not VictimPolicy:
+        return value.create(cost_model)
     try:
         return get_victim_policy(value, cost_model)
-    except InvalidArgumentError:
-        near = difflib.get_close_matches(value, sorted(VICTIM_POLICIES), n=1)
+    except InvalidArgumentError as exc:
+        near = difflib.get_close_matches(value, sorted(VICTIM_POLICIES), n=1) if isinstance(value, str) else []
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ConfigError(f"preemption.victim_policy: unknown victim policy {value!r}{hint}; {known}") from None
+        raise ConfigError(f"preemption.{exc}{hint}") from None
 
 
 @dataclass(frozen=True)
