@@ -184,7 +184,7 @@ def test_the_requests_file_and_the_json_carry_token_times_and_itl(tmp_path, caps
     out, reqs = tmp_path / "o.json", tmp_path / "r.jsonl"
     assert main(["simulate", str(cfg), "--json", str(out), "--requests", str(reqs), "--no-progress"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.endswith("; load: at most 2 requests in flight"), first
+    assert first.startswith("tiny, load: at most 2 requests in flight; toy on toy, "), first
     doc = json.loads(out.read_text())
     assert doc["runs"][0]["itl_s"] == {"p50": 1.0, "p90": 1.0, "p99": 1.0, "mean": 1.0}
     rows = {r["id"]: r for r in map(json.loads, reqs.read_text().splitlines())}

@@ -70,12 +70,12 @@ def _simulate(tmp_path: Path, workload: dict, capsys) -> tuple[int, list[str], s
 def test_the_runs_first_line_says_the_time_scale(tmp_path, capsys, scale, said):
     status, lines, _ = _simulate(tmp_path, {"trace": _trace(tmp_path, ARRIVALS), "trace_scale": scale}, capsys)
     assert status == 0
-    assert lines[0].endswith("; " + said), lines[0]
+    assert lines[0].startswith(f"tiny, {said}; toy on toy"), lines[0]
 
 
 def test_the_first_line_says_nothing_of_load_by_default(tmp_path, capsys):
     status, lines, _ = _simulate(tmp_path, {"trace": _trace(tmp_path, ARRIVALS)}, capsys)
-    assert status == 0 and "load:" not in lines[0]
+    assert status == 0 and lines[0].startswith("tiny: toy on toy, GPU KV") and "load" not in lines[0]
 
 
 BAD = [
