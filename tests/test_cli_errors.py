@@ -59,7 +59,7 @@ ROWS = {
     ),
     "trace-backwards": Row(
         ["trace", "convert", "m.jsonl", "--format", "mooncake", "--to", "jsonl", "-o", "out.jsonl"],
-        r"workload\.trace 'm\.jsonl' line 2: 'timestamp' goes backwards \(1 after 9 on line 1\)",
+        r"workload\.trace 'm\.jsonl' line 2: 'timestamp' goes backwards \(1 is 8 ms before 9 on line 1\)",
         {
             "m.jsonl": '{"timestamp": 9, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
             '{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [2]}\n'

@@ -217,7 +217,7 @@ def test_convert_keeps_hashes_and_sample_keeps_whole_conversations(tmp_path, cap
             "mooncake",
             '{"timestamp": 10, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
             '{"timestamp": 4, "input_length": 5, "output_length": 1, "hash_ids": [2]}\n',
-            "line 2: 'timestamp' goes backwards (4 after 10 on line 1); a log must be in time order",
+            "line 2: 'timestamp' goes backwards (4 is 6 ms before 10 on line 1); a log must be in time order",
         ),
         (
             "mooncake",
@@ -250,7 +250,7 @@ def test_convert_keeps_hashes_and_sample_keeps_whole_conversations(tmp_path, cap
             "burstgpt",
             "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
             "5,ChatGPT,472,18,490,Conversation log\n3,ChatGPT,10,1,11,Conversation log\n",
-            "line 3: 'Timestamp' goes backwards (3 after 5 on line 2); a log must be in time order",
+            "line 3: 'Timestamp' goes backwards (3 is 2 s before 5 on line 2); a log must be in time order",
         ),
         (
             "burstgpt",

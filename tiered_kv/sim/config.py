@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from tiered_kv.errors import ConfigError
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.sim.calibration import Calibration
+from tiered_kv.sim.client import OPEN_LOOP, ClientSpec
 from tiered_kv.sim.compute import ComputeModel
 from tiered_kv.sim.config_schema import DEFAULT_RUNS, REGIME_SCHEMA, RUN_SCHEMA, SCHEMA
 from tiered_kv.sim.files import read_yaml
@@ -32,7 +33,7 @@ from tiered_kv.sim.profiles import (
 from tiered_kv.sim.schema import validate
 from tiered_kv.sim.shipped import shipped, shipped_names
 from tiered_kv.sim.tier_config import NO_TIERS, TierSetup, resolve_tiers
-from tiered_kv.sim.workload import longest_synthetic
+from tiered_kv.sim.workload import check_load, longest_synthetic
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -89,6 +90,7 @@ class RunSetup:
     prefix_caching: bool = True
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
+    client: ClientSpec = OPEN_LOOP  # how the requests are sent (workload.concurrency, workload.think_s)
 
 
 def find_config(ref: str | Path | None) -> Path | Traversable:
@@ -258,6 +260,7 @@ def validate_config(raw: Any, calibration: Calibration | None = None) -> dict[st
         )
     _check_length(w["prompt_len"], "workload.prompt_len")
     _check_length(w["output_len"], "workload.output_len")
+    check_load(w)
     runs = cfg["runs"] if cfg["runs"] is not None else copy.deepcopy(DEFAULT_RUNS)
     if not runs:
         raise ConfigError("runs: must list at least one run")
@@ -495,6 +498,7 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
         prefix_caching=cfg["memory"]["prefix_caching"],
         scheduler_reserve_full_isl=s["scheduler_reserve_full_isl"],
         watermark=s["watermark"],
+        client=ClientSpec(cfg["workload"]["concurrency"], cfg["workload"]["think_s"]),
     )
 
 

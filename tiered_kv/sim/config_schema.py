@@ -182,7 +182,8 @@ SCHEMA: dict[str, Any] = {
         "num_requests": integer(1000, positive),
         "arrival": {
             "process": choice("poisson", "poisson", "bursty", "fixed"),
-            "rate": num(10.0, positive),
+            # .inf: every request at 0 (vllm bench serve's default --request-rate inf)
+            "rate": num(10.0, positive, allow_inf=True),
             "burst_size": integer(8, positive),
         },
         "prompt_len": _length("uniform", 512),
@@ -204,6 +205,17 @@ SCHEMA: dict[str, Any] = {
             "window_s": Field((list,), None, nullable=True),
             "every": integer(1, positive),
         },
+        # Then replay it faster or slower: every time divided by speedup, or scaled to a mean rate
+        # (requests/s); one of the two; .inf: every request at 0.
+        "trace_scale": {
+            "speedup": num(None, positive, nullable=True, allow_inf=True),
+            "rate": num(None, positive, nullable=True, allow_inf=True),
+        },
+        # The client (tiered_kv.sim.client), null: an open loop.  concurrency: at most N requests in
+        # flight (vllm bench serve --max-concurrency); think_s: a conversation's next turn is sent this
+        # many seconds after its previous answer.
+        "concurrency": Field((int,), None, None, (positive,), nullable=True),
+        "think_s": num(None, non_negative, nullable=True),
     },
     "runs": Field((list,), None, nullable=True),
     "regimes": Field((list,), None, nullable=True),

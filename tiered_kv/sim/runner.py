@@ -22,6 +22,7 @@ from tiered_kv.obs.recorder import MetricsRecorder, Reading
 from tiered_kv.sim import run_tables, trace_formats, trace_report
 from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import Calibration, load_calibration
+from tiered_kv.sim.client import describe_load
 from tiered_kv.sim.config import config_from_raw, derived_fields, read_config, setup
 from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.files import write_text
@@ -259,10 +260,12 @@ def simulate(
     tasks, sizes, heads, workloads = _plan(regimes, cal, requests_path, timeline_path, metrics_path)
     cfg0 = regimes[0][3]
     _, _, where, first, demand0, _ = heads[0]
+    load = describe_load(cfg0["workload"])  # first, where it is seen: it changes every number below
     emit(
-        f"{cfg0['name']}: {first.model.name} on {where}, GPU KV {first.gpu_kv_gib:.4g} GiB "
-        f"({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to {first.max_num_seqs} running requests "
-        f"and {first.max_num_batched_tokens} tokens a step; {demand0.describe(first.max_num_seqs)}"
+        f"{cfg0['name']}{f', load: {load};' if load else ':'} {first.model.name} on {where}, GPU KV "
+        f"{first.gpu_kv_gib:.4g} GiB ({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to "
+        f"{first.max_num_seqs} running requests and {first.max_num_batched_tokens} tokens a step; "
+        f"{demand0.describe(first.max_num_seqs)}"
     )
     w = cfg0["workload"]
     if w["trace"] is not None:
