@@ -227,14 +227,16 @@ def test_each_run_is_numbered_and_its_speed_ups_are_over_the_run_it_adds_to(wide
     assert "3 recompute+cpu-prefix: CPU tier 1.526e-05 GiB, filled by write-through and swap-outs; vs 1" in listed
     assert "4 cost-aware+cpu+disk-tier: CPU tier 1.526e-05 GiB, filled by write-through and swap-outs; below" in listed
     heads, cells = table(lines, "latency")
-    assert heads == ["vs", "p50", "p90", "p99", "x", "p50", "p99", "x"]
+    assert heads == ["vs", "p50", "p90", "p99", "x", "p50", "p99", "x", "p50", "p99"]
     by_name = {r["run"]: r for r in runs}
     for name, vs in (("swap-with-its-cpu-tier", 1), ("recompute+cpu-prefix", 1), ("cost-aware+cpu+disk-tier", 3)):
         row = cells[name[: run_tables.NAME_WIDTH]]
         base = runs[vs - 1]
         ttft = base["ttft_s"]["p50"] / by_name[name]["ttft_s"]["p50"]
         e2e = base["e2e_s"]["p50"] / by_name[name]["e2e_s"]["p50"]
+        itl = by_name[name]["itl_s"]
         assert (row[0], row[4], row[7]) == (str(vs), f"{ttft:.2f}x", f"{e2e:.2f}x")
+        assert row[8:] == [f"{itl['p50'] * 1e3:.1f}", f"{itl['p99'] * 1e3:.1f}"]
     assert cells["recompute-only-baselin"][0] == "-" and cells["recompute-only-baselin"][4] == "-"
     _, tiers = table(lines, "tiers below the CPU")
     (row,) = tiers.values()

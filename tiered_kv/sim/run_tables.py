@@ -255,8 +255,15 @@ LATENCY = Table(
                 Column("x", 6, _time_x("e2e_s"), ""),
             ),
         ),
-        # Inter-token latency goes here, once the results carry it: a Group("ITL, ms", ...) of p50 and p99
-        # columns 7 wide, as TPOT's in THROUGHPUT (the table is 80 columns wide: room for 16 more).
+        Group(
+            "ITL, ms",
+            "inter-token latency, milliseconds: the gaps between consecutive output tokens of a request, "
+            "pooled over all requests (as vllm bench serve pools them)",
+            (
+                Column("p50", 7, _p("itl_s", "p50", 1e3, ".1f"), "percentiles over the pooled gaps", "p50 p99"),
+                Column("p99", 7, _p("itl_s", "p99", 1e3, ".1f"), ""),
+            ),
+        ),
     ),
 )
 
