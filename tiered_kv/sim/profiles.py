@@ -139,66 +139,73 @@ MODEL_SCHEMA = {
     "skip_range_checks": Field((bool,), False),
 }
 
-# Plausible ranges of each physical number, by key path: (unit, low, high).  Wide enough for any
-# real GPU or model of today (a 1 GiB toy to 4 TiB; a TFLOP/s-class chip to 100 PFLOP/s), narrow
-# enough that a factor of 1000 off (a unit prefix forgotten or doubled) falls outside.
-HARDWARE_RANGES: dict[str, tuple[str, float, float]] = {
-    "memory_gib": ("GiB", 1.0, 4096.0),
-    "peak_bf16_flops": ("FLOP/s", 1e12, 1e17),
-    "hbm_bytes_per_s": ("bytes/s", 1e10, 1e14),
-    "link.h2d_gbps": ("GB/s", 0.1, 2000.0),
-    "link.d2h_gbps": ("GB/s", 0.1, 2000.0),
-    "link.bidir_gbps": ("GB/s", 0.1, 4000.0),
-    "link.per_copy_overhead_s": ("s", 0.0, 1e-3),
-    "step_model.*.step_overhead_s": ("s", 0.0, 0.1),
-    "step_model.*.per_layer_s": ("s", 0.0, 1e-3),
-    "step_model.*.per_seq_s": ("s", 0.0, 1e-2),
-    "step_model.*.frontend_s": ("s", 0.0, 2.0),
-    "allreduce.latency_us": ("us", 0.0, 1000.0),
-    "allreduce.small_gbps": ("GB/s", 0.1, 5000.0),
-    "allreduce.busbw_gbps": ("GB/s", 0.1, 5000.0),
-    "allreduce.small_max_bytes": ("bytes", 1024.0, float(1 << 34)),
-    "tiers.*.bandwidth_gbps": ("GB/s", 0.01, 2000.0),
-    "tiers.*.write_gbps": ("GB/s", 0.01, 2000.0),
-    "tiers.*.block_latency_us": ("us", 0.0, 1e6),
+# Plausible ranges of each physical number, by key path: (unit, low, high, typical).  Wide enough for
+# any real GPU or model of today (a 1 GiB toy to 4 TiB; a TFLOP/s-class chip to 100 PFLOP/s), narrow
+# enough that a factor of 1000 off (a unit prefix forgotten or doubled) falls outside; the typical
+# value picks the likely fix among the rescalings that fall inside.
+HARDWARE_RANGES: dict[str, tuple[str, float, float, float]] = {
+    "memory_gib": ("GiB", 1.0, 4096.0, 80.0),
+    "peak_bf16_flops": ("FLOP/s", 1e12, 1e17, 1e15),
+    "hbm_bytes_per_s": ("bytes/s", 1e10, 1e14, 3e12),
+    "link.h2d_gbps": ("GB/s", 0.1, 2000.0, 25.0),
+    "link.d2h_gbps": ("GB/s", 0.1, 2000.0, 25.0),
+    "link.bidir_gbps": ("GB/s", 0.1, 4000.0, 50.0),
+    "link.per_copy_overhead_s": ("s", 0.0, 1e-3, 2e-6),
+    "step_model.*.step_overhead_s": ("s", 0.0, 0.1, 1e-3),
+    "step_model.*.per_layer_s": ("s", 0.0, 1e-3, 1e-5),
+    "step_model.*.per_seq_s": ("s", 0.0, 1e-2, 1e-5),
+    "step_model.*.frontend_s": ("s", 0.0, 2.0, 0.01),
+    "allreduce.latency_us": ("us", 0.1, 1000.0, 10.0),
+    "allreduce.small_gbps": ("GB/s", 0.1, 5000.0, 30.0),
+    "allreduce.busbw_gbps": ("GB/s", 0.1, 5000.0, 200.0),
+    "allreduce.small_max_bytes": ("bytes", 1024.0, float(1 << 34), 1e6),
+    "tiers.*.bandwidth_gbps": ("GB/s", 0.01, 2000.0, 5.0),
+    "tiers.*.write_gbps": ("GB/s", 0.01, 2000.0, 5.0),
+    "tiers.*.block_latency_us": ("us", 0.0, 1e6, 50.0),
 }
-MODEL_RANGES: dict[str, tuple[str, float, float]] = {
-    "num_params": ("parameters", 1e5, 1e13),
-    "num_layers": ("layers", 1, 1000),
-    "hidden_size": ("elements", 1, 1 << 17),
-    "intermediate_size": ("elements", 1, 1 << 20),
-    "num_heads": ("heads", 1, 1024),
-    "num_kv_heads": ("heads", 1, 1024),
-    "head_dim": ("elements", 1, 1024),
-    "vocab_size": ("tokens", 0, 1e7),
+MODEL_RANGES: dict[str, tuple[str, float, float, float]] = {
+    "num_params": ("parameters", 1e3, 1e13, 1e10),
+    "num_layers": ("layers", 1, 1000, 32),
+    "hidden_size": ("elements", 1, 1 << 17, 4096),
+    "intermediate_size": ("elements", 1, 1 << 20, 14336),
+    "num_heads": ("heads", 1, 1024, 32),
+    "num_kv_heads": ("heads", 1, 1024, 8),
+    "head_dim": ("elements", 1, 1024, 128),
+    "vocab_size": ("tokens", 0, 1e7, 1e5),
 }
 
 
-def _range_hint(v: float, lo: float, hi: float) -> str:
-    """The power-of-1000 rescaling of ``v`` that lands in [lo, hi], as the user would write it; '' if none."""
+def _range_hint(v: float, lo: float, hi: float, typical: float) -> str:
+    """The power-of-1000 rescaling of ``v`` inside [lo, hi] nearest ``typical``, as the user would write it."""
+    best: tuple[float, int] | None = None
     for k in (3, 6, 9, 12, 15, -3, -6, -9, -12, -15):
         w = v * 10.0**k
-        if lo <= w <= hi and (lo > 0 or w != 0):
-            plain = f"{v:g}"
-            return f"{plain}e{k}" if k > 0 and "e" not in plain else f"{w:g}"
-    return ""
+        if lo <= w <= hi and w > 0:
+            distance = abs(math.log10(w) - math.log10(typical))
+            if best is None or distance < best[0]:
+                best = (distance, k)
+    if best is None:
+        return ""
+    k = best[1]
+    plain = f"{v:g}"
+    return f"{plain}e{k}" if "e" not in plain else f"{v * 10.0**k:g}"
 
 
-def check_ranges(d: Mapping[str, Any], ranges: Mapping[str, tuple[str, float, float]], key: str) -> None:
+def check_ranges(d: Mapping[str, Any], ranges: Mapping[str, tuple[str, float, float, float]], key: str) -> None:
     """Refuse a number outside the plausible range of its unit, naming the unit and the likely fix.
 
     ``d`` is a validated profile; ``*`` in a range's path matches every key at that level.
     Zero and infinity are not checked where the schema admits them (no link, a free link).
     """
 
-    def walk(node: Any, parts: list[str], path: str, spec: tuple[str, float, float]) -> None:
+    def walk(node: Any, parts: list[str], path: str, spec: tuple[str, float, float, float]) -> None:
         if not parts:
             if isinstance(node, bool) or not isinstance(node, int | float) or node == 0 or math.isinf(node):
                 return
-            unit, lo, hi = spec
+            unit, lo, hi, typical = spec
             if lo <= node <= hi:
                 return
-            hint = _range_hint(float(node), lo, hi)
+            hint = _range_hint(float(node), lo, hi, typical)
             fix = f"; did you mean {hint}?" if hint else ""
             raise ConfigError(
                 f"{path}: {node:g} is {node:g} {unit}, outside the plausible {lo:g} to {hi:g} {unit}{fix} "
@@ -536,7 +543,8 @@ def uncalibrated_step(era: str) -> StepProfile:
 def load_model(ref: Any, key: str = "model") -> ModelProfile:
     """A model profile; every shape given or derived (module docstring), impossible shapes refused with the key."""
     d = _load(ref, "models", MODEL_SCHEMA, key)
-    unchecked = d.pop("skip_range_checks")
+    if not d.pop("skip_range_checks"):
+        check_ranges(d, MODEL_RANGES, key)
     derived: list[str] = []
     heads, kv, tp = d["num_heads"], d["num_kv_heads"], d["tensor_parallel"]
     if heads % kv:
@@ -577,8 +585,6 @@ def load_model(ref: Any, key: str = "model") -> ModelProfile:
             f"{key}.num_params: {d['num_params']:.4g} is fewer than the embedding tables ({tables:.4g}) and the "
             f"attention projections of {d['num_layers']} layers ({attention:.4g}) alone"
         )
-    if not unchecked:  # after the shape checks, whose messages say more about a wrong shape
-        check_ranges(d, MODEL_RANGES, key)
     if d["intermediate_size"] is None:
         # A gated (SwiGLU) MLP holds 3 x hidden x intermediate per layer: what the parameters leave.
         mlp = (d["num_params"] - tables - attention) / d["num_layers"]

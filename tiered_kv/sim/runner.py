@@ -255,6 +255,8 @@ def simulate(
     tasks, sizes, heads, workloads = _plan(regimes, cal, requests_path, timeline_path, metrics_path)
     cfg0 = regimes[0][3]
     _, _, where, first, demand0, _ = heads[0]
+    if first.uncalibrated:  # the first line a run prints: its step times are a default, not this GPU's
+        emit(f"note: {first.uncalibrated}")
     emit(
         f"{cfg0['name']}: {first.model.name} on {where}, GPU KV {first.gpu_kv_gib:.4g} GiB "
         f"({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to {first.max_num_seqs} running requests "
