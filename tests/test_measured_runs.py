@@ -160,3 +160,15 @@ def test_validate_runs_refuses_another_format_with_one_line(tmp_path, capsys):
     assert main(["validate", "--runs", str(f), "--only-runs", "--no-progress"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and "x: not a file of measured runs" in err
+
+
+def test_a_run_the_simulator_cannot_express_is_listed_and_the_others_are_judged(tmp_path, capsys):
+    f = tmp_path / "mixed.json"
+    f.write_text(json.dumps({"experiments": [RUN, dict(RUN, id="moe", model="mistralai/Mixtral-8x7B-v0.1")]}))
+    assert main(["validate", "--runs", str(f), "--only-runs", "--no-progress", "--json", str(tmp_path / "v.json")]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-qwen          stage0  TTFT" in out
+    assert "NOT SIMULATED moe: mixed.moe.model: no model profile for 'mistralai/Mixtral-8x7B-v0.1'" in out
+    doc = json.loads((tmp_path / "v.json").read_text())
+    assert {r["run"] for r in doc["runs"]} == {"tiny-qwen"}
+    assert doc["runs_not_simulated"]["mixed"][0]["run"] == "moe"

@@ -103,11 +103,13 @@ def run(args: argparse.Namespace) -> int:
     external = {id(rs) for rs in sets[len(sets) - len(args.runs) :]}
     for rs in sets:
         hardware = args.hardware if id(rs) in external else None
-        run_rows = validate_runs.validate_set(rs, progress=say, hardware=hardware)
+        skipped: list[tuple[str, str]] = []
+        run_rows = validate_runs.validate_set(rs, progress=say, hardware=hardware, skipped=skipped)
         print()
-        print(validate_runs.table(rs, run_rows))
+        print(validate_runs.table(rs, run_rows, skipped))
         doc["runs"].extend(validate_runs.row_dicts(run_rows))
         doc["run_summaries"][rs.name] = validate_runs.summary_dicts(run_rows)
+        doc.setdefault("runs_not_simulated", {})[rs.name] = [{"run": i, "reason": why} for i, why in skipped]
     if args.json is not None:
         write_json(args.json, doc)
         print(f"\nwrote {args.json}")

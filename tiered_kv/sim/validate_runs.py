@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tiered_kv.errors import ConfigError
 from tiered_kv.sim.config import config_from_raw, setup
 from tiered_kv.sim.measured_runs import METRICS, MeasuredRun, RunSet, predicted_metrics, run_config, stages_of
 from tiered_kv.sim.simulator import Simulator
@@ -88,14 +89,24 @@ def validate_set(
     overrides: dict[str, Any] | None = None,
     hardware: Any = None,
     stage_scale: float = 1.0,
+    skipped: list[tuple[str, str]] | None = None,
 ) -> list[Row]:
     """Simulate every run of ``rs`` (at full length, unless ``stage_scale``); its rows, run by run.
 
-    ``hardware``: a profile to simulate every run on instead of each run's own.
+    ``hardware``: a profile to simulate every run on instead of each run's own.  A run the
+    simulator cannot express (a model with no profile, one that does not fit its GPU) is not
+    simulated: with ``skipped`` given, ``(run id, reason)`` is appended to it and the others go on;
+    without, the error is raised.
     """
     out: list[Row] = []
     for run in rs.runs:
-        predicted, _ = simulate_run(run, rs.engine, overrides, stage_scale, hardware)
+        try:
+            predicted, _ = simulate_run(run, rs.engine, overrides, stage_scale, hardware)
+        except ConfigError as exc:
+            if skipped is None:
+                raise
+            skipped.append((run.id, str(exc)))
+            continue
         out.extend(rows_of(run, predicted))
         if progress is not None:
             progress(f"{rs.name}: {run.id}")
@@ -139,8 +150,11 @@ def summaries(rows: list[Row]) -> list[Summary]:
     return out
 
 
-def table(rs: RunSet, rows: list[Row]) -> str:
-    """Measured against predicted, one row per run, stage and metric; then the set's summaries."""
+def table(rs: RunSet, rows: list[Row], skipped: list[tuple[str, str]] | None = None) -> str:
+    """Measured against predicted, one row per run, stage and metric; then the set's summaries.
+
+    ``skipped``: runs that were not simulated, each with its reason (listed, counted in no summary).
+    """
     head = f"{'run':18} {'stage':7} {'metric':6} {'measured':>9} {'predicted':>9} {'ratio':>6} {'use':5} status"
     lines = [f"{rs.name}: measured runs of {rs.engine} (means in ms)", head, "-" * len(head)]
     for r in rows:
@@ -155,6 +169,8 @@ def table(rs: RunSet, rows: list[Row]) -> str:
     fit = sorted({r.run for r in rows if r.fit})
     check = sorted({r.run for r in rows if not r.fit})
     lines.append(f"  fit on: {', '.join(fit) or '(none)'}; only checked: {', '.join(check) or '(none)'}")
+    for run_id, reason in skipped or []:
+        lines.append(f"  NOT SIMULATED {run_id}: {reason}")
     return "\n".join(lines)
 
 
