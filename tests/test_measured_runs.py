@@ -88,14 +88,21 @@ def test_profiles_are_found_by_name_or_by_hugging_face_id_and_the_gpu_by_its_nam
         dict(RUN, id="c", hw="L40S", model="01-ai/Yi-34B"),
         dict(RUN, id="d", hw="H200", hw_profile="l40s", model="meta-llama/Llama-3.1-8B-Instruct"),
         dict(RUN, id="e", hw="TPU", model="nobody/knows"),
+        dict(RUN, id="f", hw="A100-40GB", model="mistralai/Mixtral-8x7B-v0.1"),  # the base of the Instruct
+        dict(RUN, id="g", hw="A100 PCIe", model="meta-llama/Llama-2-7b-chat-hf"),
+        dict(RUN, id="h", hw="H100", model="RedHatAI/Qwen2.5-7B-Instruct-FP8-dynamic"),  # FP8: not the BF16 one
     )
-    got = [(hardware_of(r), model_of(r)) for r in rs.runs[:4]]
+    got = [(hardware_of(r), model_of(r)) for r in rs.runs[:4] + rs.runs[5:7]]
     assert got == [
         ("h100-sxm", "qwen2.5-7b"),
         ("a100-80gb-sxm", "mistral-nemo-12b"),
         ("l40s", "yi-34b"),
         ("l40s", "llama3.1-8b"),
+        ("a100-sxm4-40gb", "mixtral-8x7b"),
+        ("a100-80gb-pcie", "llama2-7b"),
     ]
+    with pytest.raises(ConfigError, match=r"no model profile for 'RedHatAI/Qwen2\.5-7B-Instruct-FP8-dynamic'"):
+        model_of(rs.runs[7])
     with pytest.raises(ConfigError, match=r"test\.e\.hw: no hardware profile for 'TPU'"):
         hardware_of(rs.runs[4])
     with pytest.raises(ConfigError, match=r"test\.e\.model: no model profile for 'nobody/knows' \(add configs/models"):
@@ -164,11 +171,11 @@ def test_validate_runs_refuses_another_format_with_one_line(tmp_path, capsys):
 
 def test_a_run_the_simulator_cannot_express_is_listed_and_the_others_are_judged(tmp_path, capsys):
     f = tmp_path / "mixed.json"
-    f.write_text(json.dumps({"experiments": [RUN, dict(RUN, id="moe", model="mistralai/Mixtral-8x7B-v0.1")]}))
+    f.write_text(json.dumps({"experiments": [RUN, dict(RUN, id="moe", model="nobody/knows-7B")]}))
     assert main(["validate", "--runs", str(f), "--only-runs", "--no-progress", "--json", str(tmp_path / "v.json")]) == 0
     out = capsys.readouterr().out
     assert "tiny-qwen          stage0  TTFT" in out
-    assert "NOT SIMULATED moe: mixed.moe.model: no model profile for 'mistralai/Mixtral-8x7B-v0.1'" in out
+    assert "NOT SIMULATED moe: mixed.moe.model: no model profile for 'nobody/knows-7B'" in out
     doc = json.loads((tmp_path / "v.json").read_text())
     assert {r["run"] for r in doc["runs"]} == {"tiny-qwen"}
     assert doc["runs_not_simulated"]["mixed"][0]["run"] == "moe"

@@ -18,7 +18,8 @@ cached ones, of which ``S`` sample a token:
   fitted separately, ``prefill_mfu`` to prefill-dominated points, because
   decode-heavy points barely constrain it;
 * memory: the streamed weights once (every matrix multiplied; not the
-  embedding table) plus every scheduled request's KV, ``(c + n) * kv_bytes``;
+  embedding table; of a mixture of experts, the experts the step's tokens are
+  routed to) plus every scheduled request's KV, ``(c + n) * kv_bytes``;
 * tensor parallelism: two all-reduces of the step's hidden states per layer
   (after attention and after the MLP), each ``sum(n) * hidden * dtype`` bytes,
   priced by the hardware's all-reduce profile;
@@ -98,6 +99,8 @@ class ComputeModel:
     scheduler_steps: int = 1
     per_layer_s: float = 0.0
     _fixed_s: float = field(init=False, repr=False, compare=False)
+    _weight_bytes: float = field(init=False, repr=False, compare=False)
+    _moe: bool = field(init=False, repr=False, compare=False)
     _flops_per_token: float = field(init=False, repr=False, compare=False)
     _flops_per_sample: float = field(init=False, repr=False, compare=False)
     _flops_per_attn: float = field(init=False, repr=False, compare=False)
@@ -116,6 +119,8 @@ class ComputeModel:
         set_(self, "_prefill_rate", self.hw.peak_bf16_flops * pre)
         set_(self, "_memory_rate", self.hw.hbm_bytes_per_s * self.hbm_efficiency)
         set_(self, "_fixed_s", self.step_overhead_s + self.per_layer_s * m.num_layers)
+        set_(self, "_weight_bytes", m.streamed_weight_bytes_per_gpu)
+        set_(self, "_moe", m.num_experts > 0)
 
     def step_time(
         self,
@@ -150,7 +155,8 @@ class ComputeModel:
         decode = fpt * (num_tokens - prefill_tokens) + self._flops_per_sample * sampled + fpa * decode_attn
         prefill = fpt * prefill_tokens + fpa * prefill_attn_units
         t_compute = decode / self._compute_rate + prefill / self._prefill_rate
-        t_memory = (m.streamed_weight_bytes_per_gpu + kv_tokens * m.kv_bytes_per_token) / self._memory_rate
+        weights = m.streamed_weight_bytes(num_tokens) if self._moe else self._weight_bytes
+        t_memory = (weights + kv_tokens * m.kv_bytes_per_token) / self._memory_rate
         t = self._fixed_s + self.per_seq_s * num_seqs + (t_compute if t_compute > t_memory else t_memory)
         if m.tensor_parallel > 1:
             t += self.allreduce_time(num_tokens)
@@ -180,7 +186,7 @@ class ComputeModel:
             + fpa * (attn_units - prefill_attn_units)
         )
         prefill = fpt * prefill_tokens + fpa * prefill_attn_units
-        nbytes = m.streamed_weight_bytes_per_gpu + kv_tokens * m.kv_bytes_per_token
+        nbytes = m.streamed_weight_bytes(num_tokens) + kv_tokens * m.kv_bytes_per_token
         return StepParts(
             num_seqs=num_seqs,
             compute_s=decode / self._compute_rate + prefill / self._prefill_rate,

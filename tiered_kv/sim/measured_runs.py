@@ -266,8 +266,18 @@ def hardware_of(run: MeasuredRun) -> str:
     )
 
 
+def _repo_key(repo: str) -> str:
+    """A Hugging Face id without what does not change the weights' shapes or precision.
+
+    The organisation, ``Meta-`` and the ``-Instruct``, ``-chat`` and ``-hf`` variants of one
+    architecture share a profile; a quantized checkpoint (``-FP8``, ``-w4a16``) does not.
+    """
+    name = repo.lower().rsplit("/", 1)[-1].removeprefix("meta-")
+    return re.sub(r"-(instruct|chat|hf)(?=-|$)", "", name)
+
+
 def model_of(run: MeasuredRun) -> str:
-    """The shipped model profile of a run: by ``sim_model``, else by its Hugging Face id."""
+    """The shipped model profile of a run: by ``sim_model``, else by its Hugging Face id (:func:`_repo_key`)."""
     e = run.raw
     sim = e.get("sim_model")
     if isinstance(sim, str):
@@ -275,10 +285,10 @@ def model_of(run: MeasuredRun) -> str:
         for cand in (stem, re.sub(r"-tp\d+$", "", stem)):
             if shipped("models", cand) is not None:
                 return cand
-    hf = str(e["model"]).lower()
+    hf = _repo_key(str(e["model"]))
     for name in shipped_names("models"):
         repo = load_model(name).hf_repo
-        if repo is not None and repo.lower() == hf:
+        if repo is not None and _repo_key(repo) == hf:
             return name
     raise ConfigError(
         f"{run.set_name}.{run.id}.model: no model profile for {e['model']!r} (add configs/models/<name>.yaml "

@@ -136,6 +136,12 @@ MODEL_SCHEMA = {
     "dtype": Field((str,), REQUIRED, tuple(DTYPE_BYTES)),
     "weight_dtype": Field((str,), None, tuple(DTYPE_BYTES), nullable=True),
     "tensor_parallel": Field((int,), None, None, (positive,), nullable=True),
+    # Mixture of experts (every layer's MLP): routed experts, how many each token uses, each one's width,
+    # and an always-used shared expert's width (0: none).  num_experts 0: a dense model.
+    "num_experts": integer(0, non_negative),
+    "experts_per_token": integer(0, non_negative),
+    "moe_intermediate_size": integer(0, non_negative),
+    "shared_expert_intermediate_size": integer(0, non_negative),
     "skip_range_checks": Field((bool,), False),
 }
 
@@ -172,6 +178,8 @@ MODEL_RANGES: dict[str, tuple[str, float, float, float]] = {
     "num_kv_heads": ("heads", 1, 1024, 8),
     "head_dim": ("elements", 1, 1024, 128),
     "vocab_size": ("tokens", 0, 1e7, 1e5),
+    "num_experts": ("experts", 0, 4096, 16),
+    "moe_intermediate_size": ("elements", 0, 1 << 20, 4096),
 }
 
 
@@ -359,6 +367,10 @@ class ModelProfile:
     weight_dtype: str | None = None
     intermediate_size: int = 0  # the MLP's width (0: not known; derived from num_params when possible)
     hf_repo: str | None = None
+    num_experts: int = 0  # routed experts of every layer's MLP (0: dense)
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
     derived: tuple[str, ...] = ()  # "key = value (rule)" for every field derived rather than given
 
     @property
@@ -389,13 +401,20 @@ class ModelProfile:
         return self.vocab_size * self.hidden_size / self.tensor_parallel
 
     @property
+    def expert_params(self) -> float:
+        """Parameters of one routed expert (a gated MLP of ``moe_intermediate_size``); 0 for a dense model."""
+        return 3.0 * self.hidden_size * self.moe_intermediate_size if self.num_experts else 0.0
+
+    @property
     def params_per_gpu(self) -> float:
         """Parameters multiplied once per computed token: all but the embedding table and the LM head.
 
-        A tied LM head is the embedding table itself, so it is subtracted once.
+        A tied LM head is the embedding table itself, so it is subtracted once.  Of a mixture of
+        experts, a token multiplies only its ``experts_per_token`` routed experts of each layer.
         """
         heads = self.embedding_params if self.tie_word_embeddings else 2 * self.embedding_params
-        return max(self.num_params - heads, 0.0) / self.tensor_parallel
+        idle = self.num_layers * (self.num_experts - self.experts_per_token) * self.expert_params
+        return max(self.num_params - heads - idle, 0.0) / self.tensor_parallel
 
     @property
     def weight_bytes_per_gpu(self) -> float:
@@ -404,8 +423,26 @@ class ModelProfile:
 
     @property
     def streamed_weight_bytes_per_gpu(self) -> float:
-        """Weight bytes one step reads from HBM: every matrix it multiplies (the table is only gathered)."""
-        return (self.params_per_gpu + self.lm_head_params_per_gpu) * self.weight_dtype_bytes
+        """Weight bytes one step reads from HBM: every matrix it multiplies (the table is only gathered).
+
+        Of a mixture of experts, those of a one-token step (see :meth:`streamed_weight_bytes`).
+        """
+        return self.streamed_weight_bytes(1)
+
+    def streamed_weight_bytes(self, tokens: int) -> float:
+        """Weight bytes a step of ``tokens`` tokens reads: a dense model's every matrix, whatever the tokens.
+
+        A mixture of experts reads every expert some token of the step is routed to: with routing
+        spread evenly, ``E x (1 - (1 - k / E) ^ tokens)`` experts of each layer, so a large batch reads
+        nearly all of them and one token reads ``k``.
+        """
+        dense = (self.params_per_gpu + self.lm_head_params_per_gpu) * self.weight_dtype_bytes
+        if not self.num_experts:
+            return dense
+        e, k = self.num_experts, self.experts_per_token
+        touched = e * (1.0 - (1.0 - k / e) ** max(tokens, 1))
+        extra = self.num_layers * (touched - k) * self.expert_params / self.tensor_parallel
+        return dense + extra * self.weight_dtype_bytes
 
     @property
     def attn_dim_per_gpu(self) -> int:
@@ -584,6 +621,23 @@ def load_model(ref: Any, key: str = "model") -> ModelProfile:
         raise ConfigError(
             f"{key}.num_params: {d['num_params']:.4g} is fewer than the embedding tables ({tables:.4g}) and the "
             f"attention projections of {d['num_layers']} layers ({attention:.4g}) alone"
+        )
+    moe = d["num_experts"] > 0
+    if moe and not 0 < d["experts_per_token"] <= d["num_experts"]:
+        raise ConfigError(
+            f"{key}.experts_per_token: must be 1 to num_experts ({d['num_experts']}), got {d['experts_per_token']}"
+        )
+    if moe and not d["moe_intermediate_size"]:
+        raise ConfigError(f"{key}.moe_intermediate_size: required key is missing (with num_experts {d['num_experts']})")
+    if not moe and (d["experts_per_token"] or d["moe_intermediate_size"] or d["shared_expert_intermediate_size"]):
+        raise ConfigError(f"{key}.num_experts: required key is missing (the model gives other experts' keys)")
+    if d["intermediate_size"] is None and moe:
+        # The MLP activations of a token: its routed experts' and the shared expert's widths.
+        d["intermediate_size"] = (
+            d["experts_per_token"] * d["moe_intermediate_size"] + d["shared_expert_intermediate_size"]
+        )
+        derived.append(
+            f"{key}.intermediate_size = {d['intermediate_size']} (the experts a token uses, and the shared one)"
         )
     if d["intermediate_size"] is None:
         # A gated (SwiGLU) MLP holds 3 x hidden x intermediate per layer: what the parameters leave.
