@@ -179,3 +179,16 @@ def test_a_run_the_simulator_cannot_express_is_listed_and_the_others_are_judged(
     doc = json.loads((tmp_path / "v.json").read_text())
     assert {r["run"] for r in doc["runs"]} == {"tiny-qwen"}
     assert doc["runs_not_simulated"]["mixed"][0]["run"] == "moe"
+
+
+def test_a_run_on_a_gpu_without_the_eras_step_model_says_it_ran_uncalibrated(tmp_path, capsys):
+    f = tmp_path / "two-gpus.json"
+    f.write_text(json.dumps({"experiments": [RUN, dict(RUN, id="on-l40s", hw="L40S")]}))
+    assert main(["validate", "--runs", str(f), "--only-runs", "--no-progress", "--json", str(tmp_path / "v.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "two-gpus: measured runs of vllm-0.15.1 (means in ms)"
+    note = "note: runs on-l40s: L40S has no step model for vllm-v1 (vllm-0.15.1): running UNCALIBRATED"
+    assert lines[2].startswith(note)
+    assert lines[3].startswith("run ")  # the H100 run is calibrated: no note names it
+    doc = json.loads((tmp_path / "v.json").read_text())
+    assert doc["runs_uncalibrated"]["two-gpus"] == [{"run": "on-l40s", "note": lines[2].split(": ", 2)[2]}]

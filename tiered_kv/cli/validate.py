@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from tiered_kv.sim.extras import import_extra
 
     import_extra("yaml", "this command")
+    from tiered_kv.errors import ConfigError
     from tiered_kv.sim import validate_runs
     from tiered_kv.sim.measured_runs import load_run_set
     from tiered_kv.sim.report import write_json
@@ -87,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     # Read every input before simulating anything, so that a bad file fails at once.
     refs = None if args.only_runs else args.configs or None
     files = [] if args.only_runs else validation_files(refs)
+    for p in args.runs:
+        if not p.exists():
+            raise ConfigError(f"--runs: file '{p}' does not exist")
     sets = ([] if args.only_runs else run_sets(refs)) + [load_run_set(p) for p in args.runs]
 
     def say(text: str) -> None:
@@ -104,12 +108,16 @@ def run(args: argparse.Namespace) -> int:
     for rs in sets:
         hardware = args.hardware if id(rs) in external else None
         skipped: list[tuple[str, str]] = []
-        run_rows = validate_runs.validate_set(rs, progress=say, hardware=hardware, skipped=skipped)
+        uncalibrated: list[tuple[str, str]] = []
+        run_rows = validate_runs.validate_set(
+            rs, progress=say, hardware=hardware, skipped=skipped, uncalibrated=uncalibrated
+        )
         print()
-        print(validate_runs.table(rs, run_rows, skipped))
+        print(validate_runs.table(rs, run_rows, skipped, uncalibrated))
         doc["runs"].extend(validate_runs.row_dicts(run_rows))
         doc["run_summaries"][rs.name] = validate_runs.summary_dicts(run_rows)
         doc.setdefault("runs_not_simulated", {})[rs.name] = [{"run": i, "reason": why} for i, why in skipped]
+        doc.setdefault("runs_uncalibrated", {})[rs.name] = [{"run": i, "note": why} for i, why in uncalibrated]
     if args.json is not None:
         write_json(args.json, doc)
         print(f"\nwrote {args.json}")

@@ -90,23 +90,27 @@ def validate_set(
     hardware: Any = None,
     stage_scale: float = 1.0,
     skipped: list[tuple[str, str]] | None = None,
+    uncalibrated: list[tuple[str, str]] | None = None,
 ) -> list[Row]:
     """Simulate every run of ``rs`` (at full length, unless ``stage_scale``); its rows, run by run.
 
     ``hardware``: a profile to simulate every run on instead of each run's own.  A run the
     simulator cannot express (a model with no profile, one that does not fit its GPU) is not
     simulated: with ``skipped`` given, ``(run id, reason)`` is appended to it and the others go on;
-    without, the error is raised.
+    without, the error is raised.  ``uncalibrated``: ``(run id, why)`` is appended to it for each run
+    whose GPU profile has no step model of the set's engine era (it ran with the uncalibrated default).
     """
     out: list[Row] = []
     for run in rs.runs:
         try:
-            predicted, _ = simulate_run(run, rs.engine, overrides, stage_scale, hardware)
+            predicted, sim = simulate_run(run, rs.engine, overrides, stage_scale, hardware)
         except ConfigError as exc:
             if skipped is None:
                 raise
             skipped.append((run.id, str(exc)))
             continue
+        if uncalibrated is not None and sim.setup.uncalibrated:
+            uncalibrated.append((run.id, sim.setup.uncalibrated))
         out.extend(rows_of(run, predicted))
         if progress is not None:
             progress(f"{rs.name}: {run.id}")
@@ -150,13 +154,25 @@ def summaries(rows: list[Row]) -> list[Summary]:
     return out
 
 
-def table(rs: RunSet, rows: list[Row], skipped: list[tuple[str, str]] | None = None) -> str:
+def table(
+    rs: RunSet,
+    rows: list[Row],
+    skipped: list[tuple[str, str]] | None = None,
+    uncalibrated: list[tuple[str, str]] | None = None,
+) -> str:
     """Measured against predicted, one row per run, stage and metric; then the set's summaries.
 
     ``skipped``: runs that were not simulated, each with its reason (listed, counted in no summary).
+    ``uncalibrated``: runs simulated with the uncalibrated default step model, each with the note
+    that says so (listed above the table: their predictions are not a calibrated GPU's).
     """
     head = f"{'run':18} {'stage':7} {'metric':6} {'measured':>9} {'predicted':>9} {'ratio':>6} {'use':5} status"
-    lines = [f"{rs.name}: measured runs of {rs.engine} (means in ms)", head, "-" * len(head)]
+    lines = [f"{rs.name}: measured runs of {rs.engine} (means in ms)"]
+    notes: dict[str, list[str]] = {}
+    for run_id, why in uncalibrated or []:
+        notes.setdefault(why, []).append(run_id)
+    lines.extend(f"note: runs {', '.join(ids)}: {why}" for why, ids in notes.items())
+    lines += [head, "-" * len(head)]
     for r in rows:
         status = "ok" if r.ok else f"OUTSIDE ±{TOLERANCE * 100:.0f}%"
         lines.append(
