@@ -94,8 +94,8 @@ def _write(tmp_path, name, doc):
                                              measured={"stage0": {"ttft_mean_ms": 1, "itl_mean_ms": 1,
                                                                   "e2e_mean_ms": 9}})]})],
          r"calibrate: 1 run\(s\) with 1 measured load\(s\) \(3 means\) cannot determine the 5 coefficients"),
-        ([("bench.json", {"request_rate": "inf", "max_concurrency": 8, "mean_ttft_ms": 30.0, "completed": 80})],
-         r"calibrate: bench: a closed-loop benchmark \(max_concurrency 8 with request_rate inf\) cannot be replayed"),
+        ([("bench.json", {"request_rate": "inf", "max_concurrency": 0, "mean_ttft_ms": 30.0, "completed": 80})],
+         r"calibrate: bench\.max_concurrency: expected a whole number >= 1 or null, got 0"),
         ([("notes.txt", "hello")], r"calibrate: '.*notes\.txt' is not a vLLM start-up log"),
     ],
 )  # fmt: skip
@@ -145,6 +145,24 @@ def test_a_bench_result_and_a_startup_log_become_one_measured_run(tmp_path):
     assert m["itl_mean_ms"] == pytest.approx(7.5)
     with pytest.raises(ConfigError, match=r"bench\.burstiness: 0\.5: only Poisson arrivals"):
         bench_run(dict(bench, burstiness=0.5), "bench", Settings())
+
+
+def test_a_closed_loop_bench_result_is_replayed_with_its_concurrency_cap():
+    """vllm bench serve --max-concurrency 8 at --request-rate inf: 8 requests in flight, each timed from its send."""
+    bench = {
+        "model_id": "Qwen/Qwen2.5-7B-Instruct", "num_prompts": 40, "request_rate": "inf", "burstiness": 1.0,
+        "max_concurrency": 8, "completed": 40, "total_input_tokens": 40 * 512, "total_output_tokens": 40 * 32,
+        "mean_ttft_ms": 40.0, "mean_tpot_ms": 7.0, "mean_e2el_ms": 257.0,
+    }  # fmt: skip
+    raw = bench_run(bench, "closed", Settings(hw="h100-sxm"))
+    assert raw["sim_workload"]["concurrency"] == 8
+    assert raw["sim_workload"]["arrival"] == {"process": "fixed", "rate": float("inf")}
+    (run,) = parse_run_set({"experiments": [raw]}, "t").runs
+    predicted, sim = simulate_run(run, "vllm-0.15.1")
+    recs = sorted(sim.records.values(), key=lambda r: r.arrival)
+    assert [r.arrival for r in recs[:8]] == [recs[0].arrival] * 8  # the first eight sent at once
+    assert recs[8].arrival == min(r.finish for r in recs[:8])  # the ninth when the first of them finished
+    assert predicted["summary"]["ttft_mean_ms"] < 200  # from its send, not from 0
 
 
 def test_an_inference_perf_directory_becomes_a_measured_run(tmp_path):

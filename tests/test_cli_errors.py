@@ -59,7 +59,7 @@ ROWS = {
     ),
     "trace-backwards": Row(
         ["trace", "convert", "m.jsonl", "--format", "mooncake", "--to", "jsonl", "-o", "out.jsonl"],
-        r"workload\.trace 'm\.jsonl' line 2: 'timestamp' goes backwards \(1 after 9 on line 1\)",
+        r"workload\.trace 'm\.jsonl' line 2: 'timestamp' goes backwards \(1 is 8 ms before 9 on line 1\)",
         {
             "m.jsonl": '{"timestamp": 9, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
             '{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [2]}\n'
@@ -98,7 +98,7 @@ ROWS = {
     "simulate-config-is-dir": Row(["simulate", "d"], r"config: 'd' is a directory, not a file", {"d": "/"}),
     "simulate-bad-yaml": Row(["simulate", "c.yaml"], r"'c.yaml' is not valid YAML at line 2", {"c.yaml": "a: [1\n"}),
     "simulate-config-not-mapping": Row(["simulate", "c.yaml"], r"config: expected a mapping", {"c.yaml": "- 1\n"}),
-    # an empty file is a mistake, not a request to run every default (the main experiment)
+    # an empty file is a mistake, not a request to run every default (the synthetic experiment)
     "simulate-empty-config": Row(
         ["simulate", "c.yaml"], r"config: 'c\.yaml' is empty; a config says what", {"c.yaml": ""}
     ),

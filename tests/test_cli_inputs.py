@@ -156,7 +156,7 @@ def test_shipped_profiles_and_configs_are_found_by_name():
     assert {"llama3-8b", "llama2-7b"} <= set(shipped_names("models"))
     assert {"oversubscribed-llama3-8b-h200", "quickstart-l40s", "fidelity-tiny"} <= set(shipped_names("experiments"))
     assert load_hardware("l40s").name == "L40S" and load_model("llama3-8b").name == "Llama-3-8B"
-    assert load_config(None)["name"] == "oversubscribed-llama3-8b-h200"  # no config: the main experiment
+    assert load_config(None)["name"] == "oversubscribed-llama3-8b-h200"  # no config: the synthetic experiment
     assert load_config("quickstart-l40s")["hardware"] == "l40s"
 
 

@@ -200,10 +200,11 @@ def test_bad_block_sizes(bs):
         KVCacheManager(8, block_size=bs)
 
 
-def test_bad_medium_and_empty_prompt():
+def test_bad_medium_and_max_tokens():
     with pytest.raises(InvalidArgumentError, match="medium must be one of"):
         BlockPool(4, medium="TPU")
-    with pytest.raises(InvalidArgumentError, match="at least one token"):
-        Request("r", [])
     with pytest.raises(InvalidArgumentError, match="max_tokens"):
         Request("r", [1], max_tokens=-1)
+    # vLLM's SamplingParams refuses max_tokens=0 too ("max_tokens must be at least 1").
+    with pytest.raises(InvalidArgumentError, match=r"max_tokens must be an int >= 1 .*got 0"):
+        Request("r", [1], max_tokens=0)

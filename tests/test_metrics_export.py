@@ -52,6 +52,7 @@ def preempt(mode: str, computed: bool = True, **tm_kw) -> Decision:
     else:
         req = Request("a", letters("abcdefgh"))
         assert tm.admit(req, req.num_tokens) is not None  # blocks held, nothing computed yet
+        tm.poll()  # a later step, in which it is not batched (a request batched in its step is no victim)
     assert tm.preempt("a", mode) is not None
     assert len(tm.decision_log) == 1
     return tm.decision_log[0]

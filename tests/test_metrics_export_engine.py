@@ -119,17 +119,22 @@ class Synchronous(CpuCopyEngine):
 
 
 def workload(engine: Engine) -> None:
-    """Eight requests sharing an 8-token prefix on an 18-block GPU pool and a 12-block CPU tier.
+    """Eight requests sharing an 8-token prefix on an 18-block GPU pool and a 12-block CPU tier, then a ninth.
 
-    With :class:`Synchronous` copies this always goes the same way: three
-    requests are swapped out and back in, one is recomputed because the CPU
-    tier is full, write-through stores prompt blocks, and later requests load
-    shared prefix blocks from the CPU tier.
+    With :class:`Synchronous` copies this always goes the same way: requests
+    are swapped out and back in, one is recomputed because the CPU tier is
+    full, and write-through stores prompt blocks.  The ninth resends the
+    fifth's prompt: its blocks past the shared prefix have left the GPU, and it
+    loads them from the CPU tier, a prefix hit of a fresh request.  (The
+    recompute victim finds its own blocks again when it is re-admitted; as in
+    vLLM, that is not counted as a prefix hit.)
     """
     rng = random.Random(5)
     prefix = [rng.randrange(512) for _ in range(8)]
-    for i in range(8):
-        engine.add_request(i, prefix + [rng.randrange(512) for _ in range(rng.randrange(6, 24))], 10)
+    prompts = [prefix + [rng.randrange(512) for _ in range(rng.randrange(6, 24))] for _ in range(8)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(i, prompt, 10)
+    engine.add_request(8, prompts[4] + [1, 2, 3], 10)
 
 
 def make_engine(copy_engine=Synchronous, **kw) -> tuple[Engine, list[Completion]]:

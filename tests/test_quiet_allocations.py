@@ -117,6 +117,7 @@ def test_tier_manager_quiet_tokens_and_block_count():
     before = pool_snapshot(tm.gpu.block_pool)
     assert tm.allocate("a", 1) == []
     assert pool_snapshot(tm.gpu.block_pool) == before
+    tm.poll()  # the next step, before "a" is batched again (a request batched in its step is no victim)
     p = tm.preempt("a", "swap")
     assert p is not None
     settle(tm, eng)

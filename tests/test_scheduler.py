@@ -105,8 +105,12 @@ def test_the_decode_rule_a_sampled_token_is_computed_in_the_next_step():
 
 
 def test_a_request_preempted_mid_prefill_restarts_from_its_cached_prefix():
-    """Chunked prefill, recompute: the victim loses its KV, re-enters waiting first, and re-hits cached blocks."""
-    s, _ = make(gpu=7, mode="recompute", max_num_batched_tokens=8)
+    """Chunked prefill, recompute: the victim loses its KV, re-enters waiting first, and re-hits cached blocks.
+
+    Without vLLM 0.33's full-prompt gate: with it (the default) B is not admitted until its whole
+    prompt fits, so it is never preempted mid-prefill (the next test).
+    """
+    s, _ = make(gpu=7, mode="recompute", max_num_batched_tokens=8, scheduler_reserve_full_isl=False)
     a = Request("A", letters("a" * 8), max_tokens=9)
     b = Request("B", letters("bbbbBBBBcccc" + "d" * 8), max_tokens=1)
     s.add_request(a)

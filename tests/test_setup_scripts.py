@@ -2,7 +2,7 @@
 
 ``run-main.sh`` used to install torch and ray (about 1.5 GB) for a simulation
 that imports neither.  ``setup-venv.sh sim`` builds a fresh environment with
-the ``[sim]`` extra alone, and the simulation of the main experiment's runs
+the ``[sim]`` extra alone, and the simulation of the synthetic experiment's runs
 (in worker processes, with plots and JSON, as ``run-main.sh`` runs it)
 succeeds there, where torch and ray cannot be imported.
 """
@@ -49,7 +49,7 @@ def test_the_sim_set_runs_the_main_jobs_simulation_without_torch_or_ray(tmp_path
         r = sh(py, "-c", f"import {absent}", check=False)
         assert r.returncode == 1 and f"No module named '{absent}'" in r.stderr
     sh(py, "-c", "import yaml, matplotlib, tqdm")
-    raw = {k: v for k, v in copy.deepcopy(TINY).items() if k != "runs"}  # the main experiment's five runs
+    raw = {k: v for k, v in copy.deepcopy(TINY).items() if k != "runs"}  # the synthetic experiment's five runs
     work = tmp_path / "work"
     work.mkdir()
     (work / "c.yaml").write_text(yaml.safe_dump(raw))

@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+from reportutil import printed
 from simutil import KIB_IN_GIB, TINY, config, run
 
 from tiered_kv.errors import ConfigError
@@ -268,7 +269,7 @@ def test_cli_simulate_and_sweep_write_json_and_plots(tmp_path):
     lines = []
     doc = simulate(cfg, tmp_path / "out.json", tmp_path / "plots", emit=lines.append, progress=False)
     assert json.loads((tmp_path / "out.json").read_text())["runs"][0]["run"] == "recompute"
-    assert len(doc["runs"]) == 3 and any("(baseline)" in line for line in lines)
+    assert len(doc["runs"]) == 3 and " 1 recompute: no CPU tier; the baseline" in printed(lines)
     for name in ("usage_over_time.png", "latency_cdf.png", "policies.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
     s = sweep(cfg, tmp_path / "sweep.json", tmp_path / "plots", emit=lines.append, progress=False)

@@ -29,13 +29,21 @@ def swap_scenario(**changes):
 def test_request_rows_match_the_event_trace():
     sim = run(swap_scenario())[1]
     rows = [json.loads(line) for line in jsonl(sim.records.values()).splitlines()]
-    common = {"arrival": 0.0, "admitted": 0.0, "first_token": 1.0, "prompt_tokens": 12, "output_tokens": 6}
+    common = {
+        "arrival": 0.0,
+        "client_queue": 0.0,
+        "admitted": 0.0,
+        "first_token": 1.0,
+        "prompt_tokens": 12,
+        "output_tokens": 6,
+    }
     assert rows == [
         {
             **common,
             "id": 0,
             "rid": 0,
             "finish": 6.0,
+            "token_times": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
             "preemptions_swap": 0,
             "preemptions_recompute": 0,
             "swap_out_bytes": 0,
@@ -48,6 +56,7 @@ def test_request_rows_match_the_event_trace():
             "id": 1,
             "rid": 1,
             "finish": 11.25,
+            "token_times": [1.0, 7.25, 8.25, 9.25, 10.25, 11.25],  # swapped out after its first token
             "preemptions_swap": 1,  # at 1; it resumes only at 6, with room to run
             "preemptions_recompute": 0,
             "swap_out_bytes": 3 * 1024,

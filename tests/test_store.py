@@ -457,10 +457,10 @@ def test_bad_input_raises_and_changes_nothing(what, error, message, call):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_blocks": 1}, r"num_blocks must be an int >= 2 \(slot 0 is reserved\), got 1"),
-        ({"num_blocks": True}, "num_blocks must be an int >= 2"),
-        ({"num_blocks": 4.0}, "num_blocks must be an int >= 2"),
-        ({"num_blocks": "4"}, "num_blocks must be an int >= 2"),
+        ({"num_blocks": 0}, r"num_blocks must be an int >= 1 \(slot 0 is reserved: 1 holds nothing\), got 0"),
+        ({"num_blocks": True}, "num_blocks must be an int >= 1"),
+        ({"num_blocks": 4.0}, "num_blocks must be an int >= 1"),
+        ({"num_blocks": "4"}, "num_blocks must be an int >= 1"),
         ({"num_blocks": 4, "policy": "fifo"}, r"policy must be one of \['arc', 'lru'\], got 'fifo'"),
         ({"num_blocks": 4, "policy": None}, "policy must be one of"),
         ({"num_blocks": 4, "policy": ["lru"]}, "policy must be one of"),

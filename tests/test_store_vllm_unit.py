@@ -47,7 +47,6 @@ NOT_CLAIMED = {
         "counts calls of vLLM's ReqContext.get_offload_key_position (its own cost, not a decision)"
     ),
     "test_unfinished_lru_prefix_survives_pressure_across_store_batches": _GROUPS,
-    "test_cpu_manager_reports_cache_usage_gauge": "a store of zero blocks (ours needs at least one)",
     "TestARCPolicy::test_batch_eviction_scans_t1_and_t2_once": _INTERNALS,
     "TestARCPolicy::test_t1_t2_eviction_policy": _ARC_STATE,
     "TestARCPolicy::test_batch_eviction_falls_back_after_t1_iterator_exhausted": _ARC_STATE,

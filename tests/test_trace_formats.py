@@ -217,7 +217,7 @@ def test_convert_keeps_hashes_and_sample_keeps_whole_conversations(tmp_path, cap
             "mooncake",
             '{"timestamp": 10, "input_length": 5, "output_length": 1, "hash_ids": [1]}\n'
             '{"timestamp": 4, "input_length": 5, "output_length": 1, "hash_ids": [2]}\n',
-            "line 2: 'timestamp' goes backwards (4 after 10 on line 1); a log must be in time order",
+            "line 2: 'timestamp' goes backwards (4 is 6 ms before 10 on line 1); a log must be in time order",
         ),
         (
             "mooncake",
@@ -250,7 +250,7 @@ def test_convert_keeps_hashes_and_sample_keeps_whole_conversations(tmp_path, cap
             "burstgpt",
             "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
             "5,ChatGPT,472,18,490,Conversation log\n3,ChatGPT,10,1,11,Conversation log\n",
-            "line 3: 'Timestamp' goes backwards (3 after 5 on line 2); a log must be in time order",
+            "line 3: 'Timestamp' goes backwards (3 is 2 s before 5 on line 2); a log must be in time order",
         ),
         (
             "burstgpt",
@@ -323,6 +323,7 @@ def test_simulate_on_a_trace_says_where_the_gain_comes_from(tmp_path):
     import copy
 
     import yaml
+    from reportutil import table
     from simutil import TINY
 
     from tiered_kv.sim.runner import simulate
@@ -342,13 +343,11 @@ def test_simulate_on_a_trace_says_where_the_gain_comes_from(tmp_path):
     doc = simulate(cfg, None, tmp_path / "plots", emit=lines.append, progress=False)
     assert [r["cpu_blocks"] for r in doc["runs"]] == [0, 200]  # 3200 tokens in blocks of 16
     assert f"trace {src} (mooncake): 3 requests" in lines
-    (table,) = [x for x in lines if x.startswith("where the difference comes from")]
-    rows = table.splitlines()
-    assert rows[1].split()[:6] == ["run", "vs", "hit", "GPU", "hit", "CPU"]
-    base, tier = rows[3].split(), rows[4].split()
+    heads, rows = table(lines, "where the prompts' KV came from")
+    assert heads == ["GPU", "CPU", "all", "saved", "loaded", "stored"]
     # Both compute 2837 - 1536 tokens (the GPU holds every shared block), so the tier avoids nothing.
-    assert (base[0], base[4], base[5]) == ("base", "1301", "(baseline)")
-    assert (tier[0], tier[1], tier[5], tier[6]) == ("tier", "base", "1301", "+0")
+    assert rows["base"][:4] == ["54.3%", "0.0%", "1301", "-"]
+    assert rows["tier"][:4] == ["54.3%", "0.0%", "1301", "+0"]
     for name in ("prefix_hit_vs_capacity.png", "ttft_per_run.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 1000
 

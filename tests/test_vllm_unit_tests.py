@@ -41,6 +41,7 @@ RUN: list[tuple[str, str, dict[str, Any]]] = [
     (UTILS, "test_free_kv_cache_block_queue_popleft_n_drain_and_refill", {"num_blocks": 2}),
     (UTILS, "test_free_kv_cache_block_queue_popleft_n_drain_and_refill", {"num_blocks": 16}),
     (UTILS, "test_free_kv_cache_block_queue_get_all_free_blocks", {}),
+    (UTILS, "test_allocate_with_lookahead", {}),
     (PREFIX, "test_prefill", {"hash_fn": "sha256"}),
     (PREFIX, "test_decode", {}),
     (PREFIX, "test_evict", {}),
@@ -53,6 +54,8 @@ RUN: list[tuple[str, str, dict[str, Any]]] = [
     (PREFIX, "test_kv_cache_events", {"blocks_to_cache": 10}),
     (PREFIX, "test_null_parent_block_hash", {}),
     (PREFIX, "test_block_removed_event_group_idx", {"group_id": 0}),
+    (PREFIX, "test_cache_blocks", {"hash_fn": "sha256"}),
+    (PREFIX, "test_cache_blocks", {"hash_fn": "sha256_cbor"}),
 ]
 
 NOT_CLAIMED: dict[str, str] = {
@@ -61,7 +64,6 @@ NOT_CLAIMED: dict[str, str] = {
         "its second half cuts a sentinel link of vLLM's linked list by hand and expects an AssertionError; "
         "our queue is a deque with no links to corrupt (the first half is covered by the other queue tests)"
     ),
-    "test_cache_blocks": "caches blocks made outside the pool; ours refuses foreign blocks (BlockStateError)",
     "test_cache_blocks_multi_group": "several KV cache groups",
     "test_maybe_evict_cached_block": "group-id hash keys and vLLM's private _maybe_evict_cached_block",
     "test_kv_cache_events_with_lora": "LoRA adapter ids (lora_id); tiered_kv knows LoRA names only",
@@ -90,7 +92,8 @@ def _compile(rel: str, name: str) -> Any:
     node.decorator_list = []  # parametrize marks: the case's arguments are given here
     module = ast.fix_missing_locations(ast.Module(body=[node], type_ignores=[]))
     ns = vllm_adapter_core.namespace()
-    if name == "test_kv_cache_block_uses_slots":  # a property of the block record itself: ours, unwrapped
+    # A property of the block record itself, and blocks built by hand for the pool to cache: ours, unwrapped.
+    if name in ("test_kv_cache_block_uses_slots", "test_cache_blocks"):
         ns["KVCacheBlock"] = KVCacheBlock
     exec(compile(module, str(Path(vllm_source(), rel)), "exec"), ns)
     return ns[name]

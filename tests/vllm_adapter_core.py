@@ -223,9 +223,12 @@ class ManagerAdapter:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Blocks | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> Blocks | None:
         hits = [] if new_computed_blocks is None else new_computed_blocks.blocks[0]
-        new = self.manager.allocate_slots(request, num_new_tokens, num_new_computed_tokens, hits)
+        new = self.manager.allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, hits, num_lookahead_tokens=num_lookahead_tokens
+        )
         return None if new is None else Blocks(list(new))
 
     def free(self, request: Request) -> None:
@@ -263,11 +266,36 @@ def make_kv_cache_manager(
     return ManagerAdapter(mgr)
 
 
+def make_kv_cache_manager_from_config(
+    kv_cache_config: tuple[int, int],
+    max_model_len: int,
+    enable_caching: bool = True,
+    scheduler_block_size: int | None = None,
+    hash_block_size: int | None = None,
+    **unused: Any,
+) -> ManagerAdapter:
+    """vLLM's ``KVCacheManager(kv_cache_config=..., max_model_len=..., ...)`` for one full-attention group."""
+    assert scheduler_block_size in (None, kv_cache_config[0]), "one block size"
+    return make_kv_cache_manager(kv_cache_config, max_model_len, enable_caching, hash_block_size=hash_block_size)
+
+
+def kv_cache_config(num_blocks: int, kv_cache_tensors: list[Any], kv_cache_groups: list[Any]) -> tuple[int, int]:
+    """vLLM's ``KVCacheConfig`` of one group: (block size, blocks); the tensors are the worker's, not the pool's."""
+    assert len(kv_cache_groups) == 1, "one KV cache group"
+    return kv_cache_groups[0].kv_cache_spec.block_size, num_blocks
+
+
+def new_kv_cache_spec(block_size: int = 16, **unused: Any) -> types.SimpleNamespace:
+    """vLLM's test helper ``new_kv_cache_spec``: a full-attention spec; only its block size reaches the pool."""
+    return types.SimpleNamespace(block_size=block_size)
+
+
 def make_request(
     request_id: str, prompt_token_ids: list[int], block_size: int, hash_fn: object = None, **unused: Any
 ) -> Request:
     """vLLM's test helper: a request whose full blocks are hashed at creation (our sha256 hasher)."""
-    assert not unused, f"request features the adapter does not translate: {sorted(unused)}"
+    features = {k: v for k, v in unused.items() if v not in (None, 0)}  # vLLM's defaults: no such feature
+    assert not features, f"request features the adapter does not translate: {sorted(features)}"
     req = Request(request_id, prompt_token_ids, max_tokens=17)
     BlockHasher.create(block_size, "sha256").update(req)
     return req
@@ -296,6 +324,11 @@ def namespace() -> dict[str, Any]:
         "make_request": make_request,
         "make_kv_cache_config": make_kv_cache_config,
         "make_kv_cache_manager": make_kv_cache_manager,
+        "KVCacheManager": make_kv_cache_manager_from_config,
+        "KVCacheConfig": kv_cache_config,
+        "KVCacheTensor": lambda **fields: types.SimpleNamespace(**fields),  # the worker's tensors: not the pool's
+        "KVCacheGroupSpec": lambda layer_names, kv_cache_spec: types.SimpleNamespace(kv_cache_spec=kv_cache_spec),
+        "new_kv_cache_spec": new_kv_cache_spec,
         "hash_block_tokens": hash_block_tokens,
         "get_block_hash": lambda key: key,
         "get_group_id": lambda key: 0,

@@ -34,7 +34,7 @@ def add_flags(p: argparse.ArgumentParser, parents: Sequence[argparse.ArgumentPar
     add_config(
         p,
         "a YAML config file, or the name of a shipped config such as fidelity-tiny "
-        "(default: oversubscribed-llama3-8b-h200, the main experiment)",
+        "(default: oversubscribed-llama3-8b-h200, the synthetic experiment; the main job is mooncake-llama3-8b-h200)",
     )
     add_json(p, "write the results document (JSON) to this file")
     add_plots(p, "write PNG plots into this directory")

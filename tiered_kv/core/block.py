@@ -23,6 +23,11 @@ class KVCacheBlock:
         * ``stale`` counts entries of this block in the free queue's deque that
           no longer stand for it (see :mod:`tiered_kv.core.free_queue`).  It
           replaces the ``prev``/``next`` links of vLLM's intrusive list.
+        * ``in_pool`` is set by the pool that made the block, and only by it.
+          A block built by hand (as vLLM's unit tests build them) belongs to
+          no pool: a pool may cache it, as vLLM does, because that corrupts
+          nobody; a block of another pool it refuses, because giving that
+          block a hash would corrupt the other pool's prefix-cache map.
 
     ``eq=False`` keeps identity semantics and the fast identity hash, so blocks
     can be compared and looked up at C speed.
@@ -33,6 +38,7 @@ class KVCacheBlock:
     block_hash: BlockHash | None = None
     stale: int = 0
     is_null: bool = False
+    in_pool: bool = False
 
     def __repr__(self) -> str:
         cached = "" if self.block_hash is None else ", cached"

@@ -91,7 +91,7 @@ class BlockPool:
         self.num_blocks: int = n
         self.enable_caching: bool = caching
         self.medium: str = tier
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(n)]
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i, in_pool=True) for i in range(n)]
         self.free_block_queue = FreeBlockQueue(self.blocks)
         self.cached_block_hash_to_block: CacheMap = {}
         self.null_block: KVCacheBlock = self.free_block_queue.popleft()
@@ -385,6 +385,13 @@ class BlockPool:
         null blocks in the range are skipped, and so is a block that already
         carries the very hash it would get (a block restored by copy and then
         cached again by the request's own allocation).
+
+        A block built outside any pool (``KVCacheBlock(i)``, as vLLM's own
+        unit tests build them) is cached as vLLM caches it: it gets its hash
+        and enters the map, where lookups find it.  No free queue holds it, so
+        it is never evicted, and it cannot be held (``touch`` refuses it).  A
+        block of *another* pool is refused: its own pool's map would not know
+        the hash it got.
 
         Raises:
             HashingError: a block in range is not full / not hashed yet.

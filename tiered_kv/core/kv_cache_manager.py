@@ -9,7 +9,11 @@ The scheduler calls, per request and step:
    newly allocated blocks, or ``None`` with nothing changed when they do not fit.
    Every block that becomes full of *final* tokens is cached right away, at
    scheduling time (safe because forward passes run in order).  Lookahead
-   (speculative) slots get blocks but are never cached.
+   (speculative) slots get blocks but are never cached.  An admission (the
+   first allocation of a request that holds no blocks: a waiting or preempted
+   one) may also be gated as vLLM 0.33 gates it: ``full_sequence_must_fit``
+   (its whole sequence must fit, not only the first chunk) and the watermark
+   (blocks kept free while other requests are running).
 3. ``free(request)``: releases the table last block first.
 
 Block tables are append-only: an id, once in a table, is never replaced.
@@ -50,6 +54,11 @@ class KVCacheManager:
         block_pool: An existing pool to manage (the tier manager shares pools).
         log_stats: Count prefix-cache statistics.
         max_model_len: Cap on slots per request (``None``: no cap).
+        watermark: vLLM 0.33's KV-cache watermark, a fraction in ``[0, 1)`` of
+            the pool (null block included, as vLLM counts ``num_blocks``):
+            ``int(watermark * num_blocks)`` blocks an admission must leave free
+            when other requests are running (see :meth:`allocate_slots`).
+            ``0.0``, vLLM's default, keeps none.
     """
 
     def __init__(
@@ -66,6 +75,7 @@ class KVCacheManager:
         medium: object = "GPU",
         log_stats: object = True,
         max_model_len: object = None,
+        watermark: object = 0.0,
     ) -> None:
         if type(block_size) is not int or block_size <= 0:
             raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
@@ -74,6 +84,10 @@ class KVCacheManager:
             raise InvalidArgumentError(f"log_stats must be True or False, got {checks.describe(log_stats)}")
         if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
             raise InvalidArgumentError(f"max_model_len must be an int > 0, got {checks.describe(max_model_len)}")
+        if (type(watermark) is not float and type(watermark) is not int) or not 0 <= watermark < 1:
+            raise InvalidArgumentError(
+                f"watermark must be a fraction of the pool in [0, 1) (vLLM's range), got {checks.describe(watermark)}"
+            )
         if block_pool is None:
             if num_blocks is None:
                 raise InvalidArgumentError("give num_blocks or block_pool")
@@ -87,6 +101,8 @@ class KVCacheManager:
         self.log_stats: bool = log_stats
         self.prefix_cache_stats = PrefixCacheStats()
         self.max_model_len: int | None = max_model_len
+        #: Blocks an admission leaves free while others run: vLLM's ``int(watermark * num_blocks)``.
+        self.watermark_blocks: int = int(watermark * block_pool.num_blocks)
         self.req_to_blocks: dict[Hashable, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[Hashable, int] = {}
 
@@ -98,8 +114,8 @@ class KVCacheManager:
         if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         hashes = self.hasher.update(request)
-        # Cap: the last prompt token must be recomputed to produce logits.
-        max_blocks = (len(request.all_token_ids) - 1) // self.block_size
+        # Cap: the last prompt token must be recomputed to produce logits (an empty prompt: nothing to find).
+        max_blocks = max(len(request.all_token_ids) - 1, 0) // self.block_size
         computed = self.block_pool.get_cached_prefix(hashes, max_blocks)
         num_tokens = len(computed) * self.block_size
         if self.log_stats:
@@ -123,6 +139,67 @@ class KVCacheManager:
             req, self.req_to_blocks.get(req.request_id), n_comp + n_tok + n_ahead, computed or []
         )
         return n_new + n_evictable
+
+    def num_free_blocks_required(
+        self,
+        request: object,
+        num_new_tokens: object,
+        num_new_computed_tokens: object = 0,
+        new_computed_blocks: object = None,
+        num_lookahead_tokens: object = 0,
+        *,
+        full_sequence_must_fit: object = False,
+        has_scheduled_reqs: object = True,
+    ) -> int:
+        """Free blocks the pool must have for ``allocate_slots`` with these arguments to fit.
+
+        ``allocate_slots`` returns ``None`` exactly when this exceeds
+        ``block_pool.get_num_free_blocks()``: what it takes (new blocks plus
+        evictable hits), or with ``full_sequence_must_fit`` what the whole
+        sequence would take if that is more, plus the watermark where it
+        applies.  Nothing changes.
+        """
+        req, n_tok, n_comp, computed, n_ahead, _ = self._check_allocation(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens, False
+        )
+        full = checks.flag("full_sequence_must_fit", full_sequence_must_fit)
+        scheduled = checks.flag("has_scheduled_reqs", has_scheduled_reqs)
+        hits = computed or []
+        req_blocks = self.req_to_blocks.get(req.request_id)
+        n_new, n_evictable = self._blocks_needed(req, req_blocks, n_comp + n_tok + n_ahead, hits)
+        return self._required(req, req_blocks, hits, n_new + n_evictable, n_evictable, full, scheduled)
+
+    def _required(
+        self,
+        request: Request,
+        req_blocks: list[KVCacheBlock] | None,
+        hits: list[KVCacheBlock],
+        need: int,
+        n_evictable: int,
+        full: bool,
+        has_scheduled_reqs: bool,
+    ) -> int:
+        """Free blocks an allocation taking ``need`` must find: vLLM 0.33's two admission checks as one count.
+
+        vLLM refuses when the whole sequence (``full``: ``min(num_tokens,
+        max_model_len)`` tokens, its hits counted as held) plus the watermark
+        exceeds the free blocks, or when the allocation itself plus the
+        watermark does; refusing when the larger of the two does is the same.
+        The watermark applies to an admission (a request holding no blocks: a
+        waiting or preempted one) while other requests run (``has_scheduled_reqs``),
+        never to a running request's growth.
+        """
+        if full:
+            total = len(request.all_token_ids)
+            if self.max_model_len is not None:
+                total = min(total, self.max_model_len)
+            n_have = (len(req_blocks) if req_blocks is not None else 0) + len(hits)
+            whole = max(-(-total // self.block_size) - n_have, 0) + n_evictable
+            if whole > need:
+                need = whole
+        if req_blocks is None and has_scheduled_reqs:
+            need += self.watermark_blocks
+        return need
 
     def _blocks_needed(
         self, request: Request, req_blocks: list[KVCacheBlock] | None, num_tokens: int, hits: list[KVCacheBlock]
@@ -148,6 +225,8 @@ class KVCacheManager:
         delay_cache_blocks: object = False,
         *,
         num_external_computed_tokens: object = 0,
+        full_sequence_must_fit: object = False,
+        has_scheduled_reqs: object = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` (+ lookahead) more tokens of ``request``.
 
@@ -164,6 +243,13 @@ class KVCacheManager:
                 allocation only; included in ``num_new_tokens``, as in vLLM).
                 Their blocks are not written yet, so nothing is cached by this
                 call; call :meth:`cache_blocks` once the copy has landed.
+            full_sequence_must_fit: vLLM 0.33's admission gate
+                (``scheduler_reserve_full_isl``): allocate only if the pool
+                could also hold the request's whole sequence (all its tokens,
+                its hits counted as held), not only this chunk.
+            has_scheduled_reqs: Whether other requests are running; only then
+                does an admission (a request holding no blocks) have to leave
+                :attr:`watermark_blocks` free, as in vLLM.
 
         Returns:
             The newly allocated blocks (possibly empty), or ``None`` when they do
@@ -187,8 +273,10 @@ class KVCacheManager:
             and num_external_computed_tokens == 0
             and type(delay_cache_blocks) is bool
             and self.max_model_len is None
+            and full_sequence_must_fit is False
+            and type(has_scheduled_reqs) is bool
         ):
-            # Fast path, the common decode/chunked-prefill step of a running request.
+            # Fast path, the common decode/chunked-prefill step of a running request (no watermark: it holds blocks).
             total = request.num_computed_tokens + num_new_tokens
             n_new = -(-total // bs) - len(req_blocks)
             if n_new > 0:
@@ -223,6 +311,8 @@ class KVCacheManager:
                 delay_cache_blocks,
             ),
             checks.count("num_external_computed_tokens", num_external_computed_tokens),
+            checks.flag("full_sequence_must_fit", full_sequence_must_fit),
+            checks.flag("has_scheduled_reqs", has_scheduled_reqs),
         )
 
     def num_quiet_tokens(self, request_id: Hashable, delay_cache_blocks: object = False) -> int:
@@ -261,6 +351,8 @@ class KVCacheManager:
         req_blocks: list[KVCacheBlock] | None,
         args: tuple[Request, int, int, list[KVCacheBlock] | None, int, bool],
         n_ext: int,
+        full: bool,
+        has_scheduled_reqs: bool,
     ) -> list[KVCacheBlock] | None:
         """``allocate_slots`` for every case but a running request's plain step, arguments checked."""
         _, n_tokens, n_comp, hits, n_ahead, delay = args
@@ -288,7 +380,8 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + n_comp
         n_new, n_evictable = self._blocks_needed(request, req_blocks, n_comp + n_tokens + n_ahead, computed)
         pool = self.block_pool
-        if n_new + n_evictable > pool.free_block_queue.num_free_blocks:
+        need = self._required(request, req_blocks, computed, n_new + n_evictable, n_evictable, full, has_scheduled_reqs)
+        if need > pool.free_block_queue.num_free_blocks:
             return None
 
         if computed:

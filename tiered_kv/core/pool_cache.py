@@ -34,7 +34,8 @@ def cache_range(
     Each block is checked in the loop that caches it; on a bad one the blocks
     already entered are taken out again before the error is raised.  Null
     blocks are skipped, and so is a block already carrying the very hash it
-    would get (vLLM skips both).
+    would get (vLLM skips both).  A block of no pool (built by hand) is
+    cached; a block of another pool is refused.
 
     Returns:
         The indices skipped because their block already carried its hash
@@ -46,10 +47,13 @@ def cache_range(
     """
     skipped: list[int] | None = None
     i = first
+    n_own = len(own)
     try:
         for i in range(first, last):
             block = blocks[i]
-            if own[block.block_id] is not block:
+            bid = block.block_id
+            # This pool's block, or one built outside any pool (vLLM caches those; see cache_full_blocks).
+            if not (0 <= bid < n_own and own[bid] is block) and block.in_pool:
                 raise LookupError
             h = hashes[i]
             bh = block.block_hash
@@ -122,7 +126,7 @@ def _range_error(
 ) -> TieredKVError | None:
     """Why ``blocks[i]`` could not be cached (``None``: nothing wrong with it)."""
     block: object = blocks[i]
-    if not pc.is_own(block, own):
+    if not pc.is_own(block, own) and not pc.is_standalone(block):
         return pc.block_error("blocks", block, own, medium)
     assert isinstance(block, KVCacheBlock)
     if _listed_in(blocks, first, i, block):
@@ -228,6 +232,8 @@ def check_state(blocks: list[KVCacheBlock], free: list[KVCacheBlock], num_free: 
             assert entry is block or (isinstance(entry, dict) and entry.get(block.block_id) is block), (
                 f"block {block.block_id} has a hash but is not in the cache map"
             )
-    n_mapped = num_cached_blocks(cmap)
+    mapped = [b for v in cmap.values() for b in ((v,) if isinstance(v, KVCacheBlock) else v.values())]
+    own = [b for b in mapped if pc.is_own(b, blocks)]
+    assert all(pc.is_standalone(b) for b in mapped if not pc.is_own(b, blocks)), "another pool's block is mapped"
     n_hashed = sum(b.block_hash is not None for b in blocks)
-    assert n_mapped == n_hashed, f"{n_mapped} blocks in the cache map but {n_hashed} carry a hash"
+    assert len(own) == n_hashed, f"{len(own)} of its blocks in the cache map but {n_hashed} carry a hash"

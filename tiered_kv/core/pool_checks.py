@@ -9,7 +9,9 @@ thorough while the common path pays for one identity test per block.
 Why identity: a block of another pool has an id that may also exist here, and
 accepting it would change the other pool's ref counts and corrupt both.
 ``own[b.block_id] is b`` holds exactly for the blocks of this pool, because
-``own[i].block_id == i`` for each of them.
+``own[i].block_id == i`` for each of them.  A block built outside any pool
+(``in_pool`` unset) may only be cached, as vLLM caches one (see
+``BlockPool.cache_full_blocks``); every other call refuses it too.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ def is_own(block: object, own: list[KVCacheBlock]) -> bool:
     return 0 <= i < len(own) and own[i] is block
 
 
+def is_standalone(block: object) -> bool:
+    """Whether ``block`` is a block that no pool made (built by hand, as vLLM's unit tests build them)."""
+    return isinstance(block, KVCacheBlock) and not block.in_pool
+
+
 def first_bad(blocks: Sequence[object], own: list[KVCacheBlock]) -> int:
     """Index of the first item that is not a block of ``own``; ``len(blocks)`` if none."""
     n = len(own)
@@ -124,6 +131,11 @@ def block_error(name: str, block: object, own: list[KVCacheBlock], medium: str) 
     """The error for one item of ``name`` that is not a block of this pool."""
     if not isinstance(block, KVCacheBlock):
         return InvalidArgumentError(f"{name} must hold KVCacheBlock objects, got {checks.describe(block)}")
+    if not block.in_pool:
+        return BlockStateError(
+            f"block {block.block_id} was built outside any pool: this {medium} pool can cache it "
+            "(cache_full_blocks) but not hold, free or register it; use the pool's own blocks"
+        )
     return BlockStateError(f"block {block.block_id} does not belong to this {medium} pool (a foreign block)")
 
 

@@ -84,12 +84,17 @@ class Request:
                 f"request {request_id!r}: prompt_token_ids must be a sequence of ints, "
                 f"got {checks.describe(prompt_token_ids)}"
             )
-        if len(prompt_token_ids) == 0:
-            raise InvalidArgumentError(f"request {request_id!r}: the prompt must have at least one token")
+        # An empty prompt is a valid record, as vLLM's ``Request`` is (its KV manager allocates for one:
+        # vLLM's test_allocate_with_lookahead); what cannot be served is refused where it would be
+        # served (``Scheduler.add_request``, ``TierManager.admit``), as vLLM's input processor refuses it.
         _check_tokens(request_id, prompt_token_ids)
-        if type(max_tokens) is not int or max_tokens < 0:
+        # At least one token, as vLLM's SamplingParams requires ("max_tokens must be at least 1"): a
+        # request is prefilled in order to sample, and one allowed no token would be finished on
+        # arrival, holding KV for nothing.
+        if type(max_tokens) is not int or max_tokens < 1:
             raise InvalidArgumentError(
-                f"request {request_id!r}: max_tokens must be an int >= 0, got {checks.describe(max_tokens)}"
+                f"request {request_id!r}: max_tokens must be an int >= 1 (as vLLM's SamplingParams: a request "
+                f"samples at least one token), got {checks.describe(max_tokens)}"
             )
         if lora_name is not None and type(lora_name) is not str:
             raise InvalidArgumentError(f"request {request_id!r}: lora_name must be a str or None, got {lora_name!r}")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tiered_kv import checks
 from tiered_kv.core.hashing import get_hash_fn
+from tiered_kv.manager.victim_policy import VictimPolicy
 from tiered_kv.sched import SchedulerConfig
 from tiered_kv.storage.spec import LAYOUTS
 from tiered_kv.tiers.write_policy import check_write_policy
@@ -25,7 +26,9 @@ class EngineConfig:
         num_gpu_blocks / num_cpu_blocks: Tier sizes (null block included); 0 CPU blocks: no CPU tier.
         block_size: Tokens per block.
         layout: KV layout of both tiers.
-        victim_policy / mode: The scheduler's preemption victim policy and preemption mode.
+        victim_policy / mode: The scheduler's preemption victim policy (a name, a
+            qualified class name or a ``VictimPolicy`` instance: see
+            :attr:`SchedulerConfig.victim_policy`) and preemption mode.
         policy: The scheduling order, ``"fcfs"`` or ``"priority"`` (vLLM's meaning of the word).
         max_num_batched_tokens / max_num_seqs / chunked_prefill: The scheduler's step budget.
         offload / evict_window: When GPU blocks are also written to the CPU tier
@@ -50,7 +53,7 @@ class EngineConfig:
     num_cpu_blocks: int = 256
     block_size: int = 4
     layout: str = "block_contiguous"
-    victim_policy: str = "last_admitted"
+    victim_policy: str | VictimPolicy = "last_admitted"
     mode: str = "auto"
     policy: str = "fcfs"
     max_num_batched_tokens: int = 512

@@ -19,6 +19,7 @@ from tiered_kv.manager.victim_policy import (
     PrefillAwarePolicy,
     VictimPolicy,
     get_victim_policy,
+    register_victim_policy,
     select_victims,
 )
 from tiered_kv.transfer.plan import PlanKind
@@ -49,5 +50,6 @@ __all__ = [
     "TierManager",
     "VictimPolicy",
     "get_victim_policy",
+    "register_victim_policy",
     "select_victims",
 ]

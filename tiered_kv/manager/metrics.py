@@ -20,7 +20,18 @@ _MOVED = {
 
 @dataclass(slots=True)
 class TierCounters:
-    """Monotonic counters kept by the manager (tokens for lookups, blocks and bytes for copies)."""
+    """Monotonic counters kept by the manager (tokens for lookups, blocks and bytes for copies).
+
+    Lookups are counted at each admission, as vLLM 0.33 counts its ``PrefixCacheStats``
+    (and its connector's): ``gpu_*`` and ``cpu_*`` for requests never preempted, whose
+    hits are prefix reuse between requests; ``preempted_*`` for the re-admission of a
+    request preempted before (``Request.num_preemptions > 0``: a recompute victim), whose
+    hits are mostly its own KV found again.  Kept apart so that re-admissions do not
+    inflate the hit rate of fresh traffic: a workload that shares nothing has a GPU hit
+    rate of 0 however often it is preempted.  ``cpu_query_tokens`` counts the tokens not
+    found on the GPU, when there is a CPU tier; a CPU hit is a block found in the CPU
+    tier, whatever wrote it there (write-through, a swap-out, a block staged from below).
+    """
 
     preemptions_swap: int = 0
     preemptions_recompute: int = 0
@@ -42,8 +53,19 @@ class TierCounters:
     gpu_hit_tokens: int = 0
     cpu_query_tokens: int = 0
     cpu_hit_tokens: int = 0
+    preempted_gpu_query_tokens: int = 0
+    preempted_gpu_hit_tokens: int = 0
+    preempted_cpu_query_tokens: int = 0
+    preempted_cpu_hit_tokens: int = 0
 
-    def count_lookup(self, num_tokens: int, gpu_hits: int, cpu_hits: int, has_cpu_tier: bool) -> None:
+    def count_lookup(self, num_tokens: int, gpu_hits: int, cpu_hits: int, has_cpu_tier: bool, preempted: bool) -> None:
+        if preempted:
+            self.preempted_gpu_query_tokens += num_tokens
+            self.preempted_gpu_hit_tokens += gpu_hits
+            if has_cpu_tier:
+                self.preempted_cpu_query_tokens += num_tokens - gpu_hits
+                self.preempted_cpu_hit_tokens += cpu_hits
+            return
         self.gpu_query_tokens += num_tokens
         self.gpu_hit_tokens += gpu_hits
         if has_cpu_tier:
@@ -114,11 +136,13 @@ class MetricsSnapshot:
 
     @property
     def gpu_hit_rate(self) -> float:
+        """GPU prefix hits over tokens looked up, at the admission of requests never preempted (vLLM's)."""
         c = self.counters
         return c.gpu_hit_tokens / c.gpu_query_tokens if c.gpu_query_tokens else 0.0
 
     @property
     def cpu_hit_rate(self) -> float:
+        """CPU-tier hits over the tokens not found on the GPU, at the admission of requests never preempted."""
         c = self.counters
         return c.cpu_hit_tokens / c.cpu_query_tokens if c.cpu_query_tokens else 0.0
 

@@ -58,6 +58,12 @@ from tiered_kv.tiers.write_policy import check_write_policy
 from tiered_kv.transfer.engine import CopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
 
+EMPTY_PROMPT = (
+    "the prompt is empty: there is nothing to prefill and nothing to sample from; give it at least one "
+    "token (vLLM refuses it too: 'The decoder prompt cannot be empty')"
+)
+"""Why a request with an empty prompt cannot be served (vLLM 0.33's input processor refuses one)."""
+
 _GPU = Residency.GPU  # read per call of allocate: a module constant is much cheaper than the enum's attribute
 
 
@@ -153,6 +159,10 @@ class TierManager:
         hash_fn / hash_seed: Block hashing (shared by both tiers).
         evict_window: With ``offload="write_back"``, how many blocks at the
             eviction end of the GPU free queue are kept stored on the CPU.
+        watermark: vLLM 0.33's KV-cache watermark: a fraction in ``[0, 1)`` of
+            the GPU pool (null block included) that an admission must leave
+            free while other requests run (:attr:`watermark_blocks`); ``0.0``,
+            vLLM's default, keeps none.
         log_size: Entries :attr:`decision_log` and :attr:`load_log` keep: the
             latest ones, so a long run's memory does not grow with its
             requests (each log's ``total`` counts every entry); ``None`` keeps all.
@@ -178,6 +188,7 @@ class TierManager:
         hash_seed: int = 0,
         evict_window: int = 64,
         log_size: int | None = DEFAULT_LOG_SIZE,
+        watermark: float = 0.0,
     ) -> None:
         check_write_policy("offload", offload)
         if num_cpu_blocks.__class__ is not int or num_cpu_blocks < 0 or num_cpu_blocks == 1:
@@ -202,6 +213,7 @@ class TierManager:
             enable_caching=enable_caching,
             hash_fn=hash_fn,
             hash_seed=hash_seed,
+            watermark=watermark,
         )
         self.cost_model: CostModel = checked_cost_model(kv_spec, cost_model, copy_engine, block_size)
         spec = kv_spec if kv_spec is not None else getattr(copy_engine, "spec", None)
@@ -231,26 +243,54 @@ class TierManager:
         self.decision_log: BoundedLog[Decision] = BoundedLog(log_size)
         self._lower: TierMoves | None = None  # the tiers below the CPU store, once attached
         self._held: dict[Hashable, Held] = {}
+        # Requests given GPU blocks for the current step (admitted, or allocated) -> the progress they reach
+        # once the step is computed: no victims before they reach it, within the step (see ``preempt``).  A
+        # step ends at ``poll`` (a scheduler's first call of a step) or ``on_schedule_end``; never iterated.
+        self._batched: dict[Hashable, int] = {}
         self._tick: int = 0
         self._gpu_evicted_seen: int = 0  # the GPU pool's eviction count at the last poll
         self._lock: threading.RLock = threading.RLock()  # the entry guard (see ``exclusive``)
 
     # ============================================================ admission
     @exclusive
-    def admit(self, request: Request, max_new_tokens: int, num_lookahead_tokens: int = 0) -> Admission | None:
+    def admit(
+        self,
+        request: Request,
+        max_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        *,
+        chunked: bool = True,
+        full_sequence_must_fit: bool = False,
+        has_scheduled_reqs: bool = True,
+    ) -> Admission | None:
         """First allocation of a request: prefix lookup on the GPU, then the CPU store; ``None`` if it does not fit.
 
         GPU hits are touched.  CPU hits are pinned and loaded into fresh GPU
         blocks by an ONBOARD plan; the request may run once it lands.  New
         tokens start after every hit and are capped at ``max_new_tokens``.
         Every argument is checked before anything changes.
+
+        The gates of vLLM 0.33's waiting loop, each a refusal (``None``, nothing
+        changed) as in vLLM: ``chunked=False`` refuses a request whose tokens
+        left after its hits exceed ``max_new_tokens`` (a prefill that must fit
+        one step); ``full_sequence_must_fit`` (vLLM's ``scheduler_reserve_full_isl``)
+        refuses one whose whole sequence the pool could not hold now; and while
+        ``has_scheduled_reqs`` (other requests are running) the admission must
+        leave :attr:`watermark_blocks` free.  A load from below the CPU tier
+        that comes out shorter than found leaves more to compute, chunked at
+        ``max_new_tokens`` even with ``chunked=False``.
         """
         checks.instance("request", request, Request)
         checks.count("max_new_tokens", max_new_tokens, 1)
         checks.count("num_lookahead_tokens", num_lookahead_tokens)
+        checks.flag("chunked", chunked)
+        checks.flag("full_sequence_must_fit", full_sequence_must_fit)
+        checks.flag("has_scheduled_reqs", has_scheduled_reqs)
         rid = request.request_id
         if rid in self._held:
             raise InvalidTransitionError(f"request {rid!r} is already held ({self._held[rid].residency.value})")
+        if request.num_prompt_tokens == 0:
+            raise InvalidArgumentError(f"request {rid!r}: {EMPTY_PROMPT}")
         if request.num_computed_tokens != 0:
             raise InvalidArgumentError(
                 f"request {rid!r}: a request to admit has no computed tokens, got {request.num_computed_tokens}"
@@ -263,8 +303,12 @@ class TierManager:
         else:
             keys = self._off.cpu_hits(request, len(gpu_hits)) if self._off is not None and self.caching else []
         n_cpu = len(keys) * self.block_size
-        n_new = min(max_new_tokens, request.num_tokens - n_gpu - n_cpu)
-        need = self.gpu.num_blocks_to_allocate(request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens)
+        rest = request.num_tokens - n_gpu - n_cpu
+        if not chunked and rest > max_new_tokens:
+            return None
+        n_new = min(max_new_tokens, rest)
+        gates = {"full_sequence_must_fit": full_sequence_must_fit, "has_scheduled_reqs": has_scheduled_reqs}
+        need = self.gpu.num_free_blocks_required(request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, **gates)
         if need > self.gpu.block_pool.get_num_free_blocks():
             return None
         if found is not None:  # fits: pin and stage now (fewer blocks need no more room)
@@ -272,14 +316,17 @@ class TierManager:
             keys, n_cpu = reserved.keys, len(reserved.keys) * self.block_size
             n_new = min(max_new_tokens, request.num_tokens - n_gpu - n_cpu)
         new = self.gpu.allocate_slots(
-            request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, num_external_computed_tokens=n_cpu
+            request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, num_external_computed_tokens=n_cpu, **gates
         )
         assert new is not None, "allocation was checked to fit"
         if gpu_hits:
             self._bounds.acquired(gpu_hits)
         h = self._held[rid] = Held(request, Residency.GPU)
+        self._batched[rid] = n_gpu + n_cpu + n_new
         self._open_in_store(request)
-        self._counters.count_lookup(request.num_tokens, n_gpu, n_cpu, self.store is not None)
+        self._counters.count_lookup(
+            request.num_tokens, n_gpu, n_cpu, self.store is not None, request.num_preemptions > 0
+        )
         plan = None
         if keys:
             assert self._off is not None
@@ -300,7 +347,9 @@ class TierManager:
         """Grow a request whose KV is on the GPU; ``None`` (nothing changed) if it does not fit.
 
         A request in a layer-wise swap-in may grow too (it computes while its KV
-        lands); nothing of it is cached until the load has landed.
+        lands); nothing of it is cached until the load has landed.  A request
+        that got its tokens is batched for this step: it is no victim until the
+        step ends (see :meth:`preempt`).
         """
         # A hot path: the lookup of a request on the GPU is inlined; any other case goes through _get.
         try:
@@ -312,10 +361,14 @@ class TierManager:
             if not h.layered:
                 h = self._get(request_id, Residency.GPU)  # names the state it is in
             # Its restored blocks are being written: cache nothing until the load lands.
-            return self.gpu.allocate_slots(
+            new = self.gpu.allocate_slots(
                 h.request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens, delay_cache_blocks=True
             )
-        return self.gpu.allocate_slots(h.request, num_new_tokens, 0, None, num_lookahead_tokens)
+        else:
+            new = self.gpu.allocate_slots(h.request, num_new_tokens, 0, None, num_lookahead_tokens)
+        if new is not None:
+            self._batched[request_id] = h.request.num_computed_tokens + num_new_tokens
+        return new
 
     @exclusive
     def quiet_tokens(self, request_id: Hashable) -> int:
@@ -354,9 +407,35 @@ class TierManager:
         no swap is possible (no CPU tier, no room on it, or no computed token:
         nothing to swap) returns ``None`` and changes nothing; ``"auto"`` then
         recomputes and the decision log says why.
+
+        The rule: a request batched in this step is no victim.  Once
+        :meth:`admit` or :meth:`allocate` gave it blocks for the step's tokens,
+        the step computes into them; preempting it would free them to another
+        request (recompute) or copy them out while they are written (swap), and
+        its :meth:`on_tokens_computed` would find it gone.  Choose victims
+        among the requests not batched yet (vLLM's FCFS rule takes the last of
+        the running queue, never scheduled before the request that needs
+        room), or first take the victim out of the batch with
+        :meth:`unschedule`, as vLLM's priority scheduling un-schedules one.  A
+        request stops being batched when its step is computed (its
+        ``num_computed_tokens`` reaches the tokens it was given, or
+        :meth:`on_tokens_computed`), or when the step ends: at the next
+        :meth:`poll` (a scheduler's first call in a step) or
+        :meth:`on_schedule_end`.
+
+        Raises:
+            InvalidTransitionError: the request is not on the GPU, or it is
+                batched in this step.  Nothing changes.
         """
         checks.choice("mode", mode, MODES)
         h = self._get(request_id, Residency.GPU)
+        if h.request.num_computed_tokens < self._batched.get(request_id, 0):  # its step is not computed yet
+            raise InvalidTransitionError(
+                f"request {request_id!r} was batched in this step (admit or allocate gave it blocks for the "
+                "step's tokens), and a request batched in this step is no victim: the step computes into the "
+                "blocks a preemption takes.  Preempt a request not batched yet, or take this one out of the "
+                "batch first (unschedule)"
+            )
         q = self.quote(request_id)
         chosen, reason = q.choose(mode)
         if chosen is None:
@@ -421,17 +500,69 @@ class TierManager:
 
     @exclusive
     def free(self, request_id: Hashable) -> None:
-        """Release everything the request holds in both tiers (finished or aborted).  Refused mid-copy."""
-        h = self._get(request_id)
-        if h.residency in IN_FLIGHT:
-            raise InvalidTransitionError(
-                f"request {request_id!r} is {h.residency.value} (plan {h.plan_id} in flight); "
-                "cancel the copy or wait for it before freeing"
+        """End a request (finished or aborted): release what it holds in every tier, and close it.
+
+        Every request :meth:`is_open` ends here once, wherever its KV is: on
+        the GPU or the CPU, or already gone (a recompute victim waiting to be
+        admitted again, a failed or cancelled onboarding, a dropped swap),
+        because its request in the CPU store stays open until then (a request
+        re-admitted after a preemption is the same request, as in vLLM).
+        Closing it finishes that request in the store, whose policy then
+        commits the request's uses; its copies may still land afterwards.
+
+        Raises:
+            UnknownRequestError: the request is not open (never admitted here,
+                or freed already).
+            InvalidTransitionError: a copy of its KV is in flight (cancel it or
+                wait for it first).  Nothing changes in either case.
+        """
+        checks.hashable("request_id", request_id)
+        h = self._held.get(request_id)
+        if h is None and request_id not in self._store_requests:
+            raise UnknownRequestError(
+                f"request {request_id!r} is not held by this tier manager and not open in its CPU store "
+                "(never admitted here, or freed already)"
             )
-        self._forget(h)
+        if h is not None:
+            if h.residency in IN_FLIGHT:
+                raise InvalidTransitionError(
+                    f"request {request_id!r} is {h.residency.value} (plan {h.plan_id} in flight); "
+                    "cancel the copy or wait for it before freeing"
+                )
+            self._forget(h)
+        self._batched.pop(request_id, None)
         ctx = self._store_requests.pop(request_id, None)
         if ctx is not None:  # finished: the store commits the request's recency (its copies may still land)
             self.store.on_request_finished(ctx)  # type: ignore[union-attr]
+
+    @exclusive
+    def is_open(self, request_id: Hashable) -> bool:
+        """Whether :meth:`free` has something to end for the request.
+
+        True from admission until :meth:`free`: while the manager holds the
+        request's KV (:meth:`holds`), and also after it lost it without the
+        request ending (a recompute victim, a failed or cancelled onboarding, a
+        dropped swap), while its request stays open in the CPU store.  Without
+        a CPU store nothing outlives the KV, and this is :meth:`holds`.
+        """
+        rid = checks.hashable("request_id", request_id)
+        return rid in self._held or rid in self._store_requests
+
+    @exclusive
+    def unschedule(self, request_id: Hashable) -> None:
+        """Take a request out of this step's batch, so that it may be preempted (see :meth:`preempt`).
+
+        For a scheduler that drops a request it had batched, as vLLM's priority
+        scheduling un-schedules a victim it scheduled earlier in the step: the
+        caller promises not to compute the request in this step.  The blocks the
+        step gave it stay in its table (a later step computes into them), as in
+        vLLM.  A request that is not batched is left as it is.
+
+        Raises:
+            UnknownRequestError: the manager does not hold the request.
+        """
+        self._get(request_id)
+        self._batched.pop(request_id, None)
 
     def _open_in_store(self, request: Request) -> None:
         """Admission is a new request for the CPU store; a re-admission (after a preemption) is the same one.
@@ -453,9 +584,14 @@ class TierManager:
 
     @exclusive
     def on_schedule_end(self, new_req_ids: list[Hashable], preempted_req_ids: list[Hashable]) -> None:
-        """The end of a scheduler step: the CPU store's ``on_schedule_end`` (vLLM 0.33's step hook)."""
+        """The end of a scheduler step: the CPU store's ``on_schedule_end`` (vLLM 0.33's step hook).
+
+        The step's batch is final: its requests may be chosen as victims again
+        in the next step (see :meth:`preempt`).
+        """
         if self.store is not None:
             self.store.on_schedule_end(new_req_ids, preempted_req_ids)
+        self._batched.clear()
 
     def _forget(self, h: Held) -> None:
         self._bounds.free_table(h.request)
@@ -489,6 +625,7 @@ class TierManager:
         scheduler may skip the call on decode steps.
         """
         h = self._get(request_id, Residency.GPU)
+        self._batched.pop(request_id, None)  # its step is computed: a victim again
         if self.offload != "write_through":
             return None
         return self._store_prompt_blocks(h, h.request.num_computed_tokens)
@@ -544,8 +681,10 @@ class TierManager:
         """Settle every copy whose handle is final, in plan order; return what settled.
 
         With on-evict offload it then tops up the saves before eviction: once
-        per scheduler step is often enough.
+        per scheduler step is often enough.  A scheduler polls first in each
+        step, so a poll also starts a new batch (see :meth:`preempt`).
         """
+        self._batched.clear()
         done = [c for t in self.transfers.finished() if (c := self._settle(t)) is not None]
         self._drain_events()
         if self.offload == "write_back":
@@ -722,6 +861,15 @@ class TierManager:
     @exclusive
     def num_free_gpu_blocks(self) -> int:
         return self.gpu.block_pool.get_num_free_blocks()
+
+    @property
+    def watermark_blocks(self) -> int:
+        """GPU blocks an admission leaves free while other requests run (vLLM's ``int(watermark * num_blocks)``).
+
+        :meth:`admit` applies it; a scheduler resuming a swapped request (a
+        preempted one coming back) applies it too.
+        """
+        return self.gpu.watermark_blocks
 
     @exclusive
     def blocks_short(self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0) -> int:

@@ -14,11 +14,17 @@ cost and fall back to it on ties.
 
 Policies choose *who*; the mode (swap or recompute) of each victim is chosen
 from its :class:`~tiered_kv.manager.pricing.Quote` when it is preempted.
+
+A policy of one's own plugs in without changing the package: a
+:class:`VictimPolicy` subclass, given as an instance, registered by name
+(:func:`register_victim_policy`, as the CPU store's eviction policies are), or
+named by its qualified class name (see :class:`VictimPolicy`).
 """
 
 from __future__ import annotations
 
 import heapq
+import importlib
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -79,9 +85,36 @@ class Candidate:
 
 
 class VictimPolicy:
-    """Base class: rank candidates by :meth:`key` (smallest first = preempted first)."""
+    """Base class: rank candidates by :meth:`key` (smallest first = preempted first).
+
+    A policy of one's own is a subclass that defines :meth:`key` (and
+    :attr:`name`).  A scheduler takes it in one of three forms, wherever a
+    victim policy is named (``SchedulerConfig.victim_policy``,
+    ``EngineConfig.victim_policy``, a simulator run's ``victim_policy:``):
+
+    * an instance (``SchedulerConfig(victim_policy=MyPolicy())``; not in a
+      YAML config, which holds names only);
+    * a name registered with :func:`register_victim_policy`;
+    * the class's qualified name, ``"package.module.ClassName"``, imported on
+      first use (vLLM names its ``--scheduler-cls`` so), which also reaches
+      simulator worker processes, where a registration made in the parent
+      process does not exist.
+
+    A policy built from a name gets the scheduler's cost model through
+    :meth:`create`.  One instance may serve several schedulers: a policy keeps
+    no state between calls (every call gets fresh candidates).
+    """
 
     name: ClassVar[str] = "base"
+
+    @classmethod
+    def create(cls, cost_model: CostModel | None) -> VictimPolicy:
+        """The policy a scheduler uses when it is named, given the tier manager's cost model.
+
+        ``cls()`` by default; a policy that prices candidates from the cost
+        model itself overrides this (as :class:`CostAwarePolicy` does).
+        """
+        return cls()
 
     def key(self, c: Candidate, mode: str) -> Key:
         raise NotImplementedError
@@ -178,6 +211,10 @@ class CostAwarePolicy(VictimPolicy):
     def __init__(self, cost_model: CostModel | None = None) -> None:
         self.cost_model = cost_model  # enables the cheap lower bound
 
+    @classmethod
+    def create(cls, cost_model: CostModel | None) -> VictimPolicy:
+        return cls(cost_model)
+
     def key(self, c: Candidate, mode: str) -> Key:
         q = c.quote
         per_block = q.cost(mode) / q.blocks_freed if q.blocks_freed else math.inf
@@ -236,24 +273,92 @@ def _bounds_of(candidates: Sequence[Candidate]) -> Bounds | None:
 VICTIM_POLICIES: dict[str, type[VictimPolicy]] = {
     cls.name: cls for cls in (LastAdmittedPolicy, LargestPolicy, PrefillAwarePolicy, CostAwarePolicy)
 }
-
-
-def get_victim_policy(policy: str | VictimPolicy, cost_model: CostModel | None = None) -> VictimPolicy:
-    """A policy by name (``cost_aware`` gets ``cost_model`` for its bound) or the instance itself."""
-    if isinstance(policy, VictimPolicy):
-        return policy
-    if policy.__class__ is not str:
-        raise InvalidArgumentError(
-            f"victim_policy must be a policy name or a VictimPolicy, got {checks.describe(policy)}"
-        )
-    cls = VICTIM_POLICIES.get(policy)
-    if cls is None:
-        raise InvalidArgumentError(f"unknown victim policy {policy!r}; {renamed_victim_policy_hint(policy)}")
-    return CostAwarePolicy(cost_model) if cls is CostAwarePolicy else cls()
-
+"""The victim policies by name: the built-in ones and those :func:`register_victim_policy` added."""
 
 RENAMED_VICTIM_POLICIES = {"lru": "last_admitted"}
 """Victim policy names that were renamed, old -> new: refused with the new name, never aliased."""
+
+
+def register_victim_policy(name: str, cls: type[VictimPolicy]) -> None:
+    """Register a policy of one's own under ``name``, so that every config can name it.
+
+    ``SchedulerConfig(victim_policy=name)``, ``EngineConfig(victim_policy=name)``
+    and a simulator run's ``victim_policy: name`` then build it with
+    ``cls.create(cost_model)`` (see :class:`VictimPolicy`).  A registration
+    lives in the process that made it: simulator workers (``--workers``) are
+    new processes, so name the class by its qualified name there.
+
+    Raises:
+        InvalidArgumentError: ``name`` is not a non-empty str without dots
+            (a dotted name is a qualified class name), is taken (or is a
+            retired name), or ``cls`` is not a :class:`VictimPolicy` subclass.
+            Nothing is registered then.
+    """
+    if name.__class__ is not str or not name or "." in name:
+        raise InvalidArgumentError(
+            f"name must be a non-empty str without dots (a dotted name is a qualified class name), "
+            f"got {checks.describe(name)}"
+        )
+    if not (isinstance(cls, type) and issubclass(cls, VictimPolicy)) or cls is VictimPolicy:
+        raise InvalidArgumentError(f"cls must be a subclass of VictimPolicy, got {checks.describe(cls)}")
+    if name in VICTIM_POLICIES or name in RENAMED_VICTIM_POLICIES:
+        taken = "is already registered" if name in VICTIM_POLICIES else "is a retired name, refused in configs"
+        raise InvalidArgumentError(f"victim policy {name!r} {taken}; register yours under another name")
+    VICTIM_POLICIES[name] = cls
+
+
+def _qualified(name: str) -> type[VictimPolicy] | str:
+    """The class a qualified name ``package.module.ClassName`` names, or why it names none."""
+    module_name, _, attr = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        return f"cannot import module {module_name!r} for victim policy {name!r}: {e}"
+    found = getattr(module, attr, None)
+    if not (isinstance(found, type) and issubclass(found, VictimPolicy)) or found is VictimPolicy:
+        return f"{name} is not a subclass of VictimPolicy, got {checks.describe(found)}"
+    return found
+
+
+def victim_policy_class(name: object) -> type[VictimPolicy] | str:
+    """The policy class ``name`` stands for, or a message saying why it stands for none.
+
+    ``name`` is a registered name or a qualified class name (see
+    :class:`VictimPolicy`).  The message names the registered policies, or a
+    retired name's new name.
+    """
+    if not isinstance(name, str):
+        return f"must be a victim policy name or a VictimPolicy instance, got {checks.describe(name)}"
+    cls = VICTIM_POLICIES.get(name)
+    if cls is not None:
+        return cls
+    if "." in name:
+        return _qualified(name)
+    return f"unknown victim policy {name!r}; {renamed_victim_policy_hint(name)}"
+
+
+def check_victim_policy(field: str, policy: object) -> None:
+    """Raise :class:`InvalidArgumentError` naming ``field`` unless ``policy`` is a policy, or names one."""
+    if isinstance(policy, VictimPolicy):
+        return
+    found = victim_policy_class(policy)
+    if isinstance(found, str):
+        raise InvalidArgumentError(f"{field}: {found}")
+
+
+def get_victim_policy(policy: str | VictimPolicy, cost_model: CostModel | None = None) -> VictimPolicy:
+    """The policy itself if it is an instance, else the one ``policy`` names, built with ``cost_model``.
+
+    Raises:
+        InvalidArgumentError: ``policy`` is neither a :class:`VictimPolicy` nor
+            a name of one (see :class:`VictimPolicy`).
+    """
+    if isinstance(policy, VictimPolicy):
+        return policy
+    found = victim_policy_class(policy)
+    if isinstance(found, str):
+        raise InvalidArgumentError(f"victim_policy: {found}")
+    return found.create(cost_model)
 
 
 def renamed_victim_policy_hint(name: object) -> str:
@@ -261,7 +366,10 @@ def renamed_victim_policy_hint(name: object) -> str:
     new = RENAMED_VICTIM_POLICIES.get(name) if isinstance(name, str) else None
     if new is not None:
         return f"it is now called {new!r} (the last admitted goes first, vLLM's order; it is not LRU)"
-    return f"the victim policies are {sorted(VICTIM_POLICIES)}"
+    return (
+        f"the victim policies are {sorted(VICTIM_POLICIES)} (a policy of your own: a VictimPolicy instance, "
+        "a name given to register_victim_policy, or its class's qualified name, package.module.ClassName)"
+    )
 
 
 def select_victims(

@@ -14,10 +14,14 @@ admitted requests:
    completion reports, a failed copy puts the request back where its KV is.
 2. Running requests, in queue order: the rest of a (chunked) prefill, or one
    decode token.  When a request does not fit, blocks that copies in flight
-   will free are counted first (waiting beats preempting); then victims are
-   chosen by the policy among running requests not yet scheduled this step and
-   preempted through the manager, each by the mode its quote chooses.  If no
-   choice frees enough, the request preempts itself, as in vLLM.  A step the
+   will free are counted first (waiting beats preempting); then, as in vLLM's
+   loop, one victim at a time is preempted through the manager (by the mode
+   its quote chooses) until the request fits or the victim is the request
+   itself.  The victim is the policy's first among the candidates vLLM's
+   rule gives: with FCFS the requester and the running requests not yet
+   scheduled this step; with priority every running request, the requester
+   and those already scheduled this step included (a scheduled victim is
+   taken out of the batch and its tokens go back to the budget).  A step the
    manager would serve without changing anything (a decode token landing in
    a block the request holds, filling none: ``TierManager.quiet_tokens``)
    skips the manager call; that is most decode steps.
@@ -27,7 +31,10 @@ admitted requests:
    ``layerwise`` so is one whose KV is still landing, computing while it
    lands layer by layer (``SchedulerOutput.loads``).
 4. Waiting requests are admitted (FCFS, or by priority), unless requests are
-   swapped out or this step preempted.
+   swapped out or this step preempted, under vLLM 0.33's gates: without
+   chunked prefill the tokens left after the prefix hits must fit the budget;
+   with ``scheduler_reserve_full_isl`` the whole sequence must fit the pool;
+   while requests run, the manager's watermark stays free.
 
 :meth:`Scheduler.update` then applies the computed step: it advances progress
 and appends the sampled token of every request that reached the end of its
@@ -55,8 +62,8 @@ from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, Unkno
 from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.outcomes import Completion, Preemption
 from tiered_kv.manager.states import PreemptMode, Residency
-from tiered_kv.manager.tier_manager import TierManager
-from tiered_kv.manager.victim_policy import Candidate, get_victim_policy, select_victims
+from tiered_kv.manager.tier_manager import EMPTY_PROMPT, TierManager
+from tiered_kv.manager.victim_policy import Candidate, get_victim_policy
 from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sched.output import SchedulerOutput
 from tiered_kv.sched.status import MOVING, RequestStatus
@@ -83,6 +90,7 @@ class Scheduler:
         self.requests: dict[Hashable, Request] = {}
         self.status: dict[Hashable, RequestStatus] = {}
         self._high_water: dict[Hashable, int] = {}  # recompute victims: tokens they had computed
+        self._passed: dict[Hashable, int] = {}  # marks passed by a step of the batch being built (this step only)
         self._aborting: set[Hashable] = set()
         self._loads: dict[Hashable, TransferHandle] = {}  # layer-wise swap-ins not settled yet
         self._arriving: set[Hashable] = set()  # LOADING or SWAPPING_IN: they hold a seat
@@ -116,6 +124,8 @@ class Scheduler:
             raise InvalidArgumentError(f"request {rid!r} was already added")
         if request.num_computed_tokens != 0 or request.is_finished:
             raise InvalidArgumentError(f"request {rid!r} must be new: no computed tokens, not finished")
+        if request.num_prompt_tokens == 0:
+            raise InvalidArgumentError(f"request {rid!r}: {EMPTY_PROMPT}")
         cfg = self.config
         longest = request.num_prompt_tokens + max(request.max_tokens - 1, 0)
         if not cfg.chunked_prefill and longest > cfg.max_num_batched_tokens:
@@ -230,11 +240,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch (see the module docstring for the order of things)."""
         self._apply(self.tm.poll())
+        if self._passed:
+            self._passed.clear()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         promised = self.tm.blocks_freed_on_completion()
         status, allocate, chunked = self.status, self.tm.allocate, self.config.chunked_prefill
-        batch, preempted = out.scheduled, out.preempted
+        preempted = out.preempted
         quiet, quiet_tokens = self._quiet, self.tm.quiet_tokens
         running = S.RUNNING
         stalled: list[Request] = []  # fresh requests that found no room and waited
@@ -255,8 +267,7 @@ class Scheduler:
             # (preempting) or waiting when it does not fit.
             if c + n > quiet.get(rid, 0):
                 if allocate(rid, n) is None:
-                    # The requests scheduled so far (the batch) are not victims this step.
-                    fits, promised = self._make_room(req, n, {r.request_id for r, _ in batch}, promised, out, stalled)
+                    fits, promised, budget = self._make_room(req, n, promised, budget, out, stalled)
                     if not fits:
                         continue
                 quiet[rid] = quiet_tokens(rid)
@@ -275,68 +286,110 @@ class Scheduler:
 
     # ------------------------------------------------------------ preemption
     # When a running request's tokens do not fit, blocks that copies in flight will free are counted
-    # first (waiting beats preempting); then the victim policy picks among running requests not yet
-    # scheduled this step, and each is preempted through the manager by the mode its quote chooses.
-    # If no choice frees enough, the request preempts itself, as in vLLM.
+    # first (waiting beats preempting); then vLLM's loop: preempt one victim, try again, until the
+    # request fits or the victim was the request itself.  The victim policy picks each victim among
+    # the candidates vLLM's rule gives (see _candidates); with last_admitted it is vLLM's own victim.
     def _make_room(
         self,
         req: Request,
         n: int,
-        scheduled: set[Hashable],
         promised: int,
+        budget: int,
         out: SchedulerOutput,
         stalled: list[Request] | None = None,
-    ) -> tuple[bool, int]:
-        """Allocate ``n`` tokens for ``req``, preempting others if needed; (fits, promised blocks left).
+    ) -> tuple[bool, int, int]:
+        """Allocate ``n`` tokens for ``req``, preempting if needed; (fits, promised blocks left, token budget).
 
-        A fresh request (no step computed since it became runnable) that
-        finds no victim waits instead of preempting itself; it is appended to
-        ``stalled``.
+        The budget grows by the tokens of a victim taken out of this step's
+        batch.  A fresh request (no step computed since it became runnable)
+        that finds no victim waits instead of preempting itself; it is
+        appended to ``stalled``.
         """
         tm, rid = self.tm, req.request_id
-        for i in range(len(self.running) + 1):  # each round preempts at least one victim, or ends
+        for i in range(len(self.running) + 1):  # each round preempts one victim, or ends
             if i and tm.allocate(rid, n) is not None:  # the caller tried once already
-                return True, promised
+                return True, promised, budget
             short = tm.blocks_short(rid, n)
             if short <= promised:
-                return False, promised - short  # copies in flight will free enough: wait for them
-            victims = select_victims(
-                self.victim_policy,
-                self._candidates(scheduled | {rid}),
-                short - promised,
-                self.config.mode,
-                tm.cpu_room(),
-            )
-            if victims is None:
-                if rid in self._loads:  # its KV is still landing: it cannot be preempted now; it waits
-                    return False, promised
-                if rid in self._fresh:  # preempting it now would undo its resume before it made progress
-                    if stalled is not None:
-                        stalled.append(req)
-                    return False, promised
-                self._preempt(req, out)  # nobody else can make room: vLLM preempts the request itself
-                return False, promised
-            for v in victims:
-                promised += self._preempt(self.requests[v.request_id], out).blocks_freed_on_completion
+                return False, promised - short, budget  # copies in flight will free enough: wait for them
+            victim = self._victim(req, out)
+            if victim is None:
+                if rid in self._fresh and stalled is not None:  # preempting it would undo its resume
+                    stalled.append(req)
+                return False, promised, budget  # it cannot be preempted now (fresh, or its KV landing): it waits
+            if victim is req:
+                self._preempt(req, out)  # nobody before it in the order: vLLM preempts the request itself
+                return False, promised, budget
+            budget += self._unschedule(victim, out)
+            promised += self._preempt(victim, out).blocks_freed_on_completion
         raise AssertionError(f"request {rid!r}: preemption did not make room")  # pragma: no cover
 
-    def _candidates(self, exclude: set[Hashable]) -> list[Candidate]:
-        """Running requests that may be preempted, ranked by vLLM's rule (higher rank goes first)."""
-        status, loads = self.status, self._loads
+    def _victim(self, req: Request, out: SchedulerOutput) -> Request | None:
+        """The next request to preempt so that ``req`` fits: the policy's first candidate (``req`` may be it).
+
+        Under ``mode="swap"`` a candidate that cannot be swapped (no room on
+        the CPU tier, nothing computed) is passed over, except the requester
+        itself, which then yields by recompute.
+        """
+        rid = req.request_id
+        candidates = self._candidates(req, out)
+        swap_only = self.config.mode == "swap"
+        room = self.tm.cpu_room() if swap_only else 0
+        for c in self.victim_policy.iter_rank(candidates, self.config.mode):
+            if swap_only and c.request_id != rid:
+                q = c.quote
+                if not q.can_swap or q.cpu_blocks_needed > room:
+                    continue
+            return self.requests[c.request_id]
+        return None
+
+    def _candidates(self, req: Request, out: SchedulerOutput) -> list[Candidate]:
+        """Who may be preempted so that ``req`` fits, ranked by vLLM's rule (the highest rank is vLLM's victim).
+
+        FCFS: ``req`` and the running requests not scheduled this step, ranked
+        by their place in the running queue (vLLM pops the queue's last until
+        the requester is the last).  Priority: every running request, the
+        requester and those scheduled this step included, ranked by
+        ``(priority, arrival_time)``, ties by queue place the first highest
+        (vLLM's ``max`` over the queue).  Never a request whose KV is still
+        landing, nor a fresh one (see the module docstring).
+        """
+        status, loads, fresh = self.status, self._loads, self._fresh
+        running = self.running
         if self.config.policy == "fcfs":
-            order = list(self.running)
+            batch = {r.request_id for r, _ in out.scheduled}
+            batch.discard(req.request_id)
+            order = running
         else:
-            order = sorted(self.running, key=lambda r: (r.priority, r.arrival_time))
+            batch = set()
+            ranked = sorted(enumerate(running), key=lambda t: (t[1].priority, t[1].arrival_time, -t[0]))
+            order = [r for _, r in ranked]
         tm = self.tm
-        running, num_blocks, quote, bounds = S.RUNNING, tm.gpu_table_length, tm.quote, tm.preemption_bounds
+        running_status, num_blocks, quote, bounds = S.RUNNING, tm.gpu_table_length, tm.quote, tm.preemption_bounds
         return [
             Candidate(rid, rank, num_blocks(rid), r.num_computed_tokens, r.num_prompt_tokens, quote, bounds)
             for rank, r in enumerate(order)
-            if (rid := r.request_id) not in exclude
-            and status[rid] is running
+            if (rid := r.request_id) not in batch
+            and status[rid] is running_status
             and rid not in loads
-            and rid not in self._fresh
+            and rid not in fresh
         ]
+
+    def _unschedule(self, req: Request, out: SchedulerOutput) -> int:
+        """Take ``req`` out of this step's batch if it is there (a priority victim); return the tokens it gives back."""
+        for i, (r, n) in enumerate(out.scheduled):
+            if r is req:
+                del out.scheduled[i]
+                out.num_tokens -= n
+                rid = req.request_id
+                self.tm.unschedule(rid)  # it will not be computed this step: the manager may preempt it
+                mark = self._high_water.get(rid, 0) or self._passed.pop(rid, 0)
+                c = req.num_computed_tokens
+                if mark > c:  # it was computing again what a recompute preemption dropped: not this step
+                    out.recomputed_tokens -= min(c + n, mark) - c
+                    self._high_water[rid] = mark
+                return n
+        return 0
 
     def _yield_if_stuck(self, stalled: list[Request], out: SchedulerOutput) -> None:
         """Fresh requests waited for room, yet the step runs nothing and no copy will land: the last one yields.
@@ -391,6 +444,7 @@ class Scheduler:
                 out.recomputed_tokens += min(c + n, mark) - c
                 if c + n >= mark:
                     del self._high_water[rid]
+                    self._passed[rid] = mark  # until the step is over: a priority victim leaving the batch keeps it
         if self._loads and rid in self._loads:  # landing layer by layer: the driver waits on it per layer
             out.loads[rid] = self._loads[rid]
 
@@ -407,8 +461,11 @@ class Scheduler:
             rid = req.request_id
             if self.status[rid] is not S.SWAPPED:
                 break  # oldest first: wait for its swap-out to land
-            if self.tm.blocks_to_resume(rid, self._next_tokens(req, budget)) > self.tm.num_free_gpu_blocks():
-                break  # no room for its KV and its next step yet: resumed, it could not run
+            # Room for its KV and its next step (resumed without it, it could not run), and, while
+            # others run, the manager's watermark: it is a preempted request coming back, as vLLM's is.
+            need = self.tm.blocks_to_resume(rid, self._next_tokens(req, budget))
+            if need + (self.tm.watermark_blocks if self.running else 0) > self.tm.num_free_gpu_blocks():
+                break
             res = self.tm.resume(rid, layered=layered)
             if res is None:
                 break
@@ -455,20 +512,33 @@ class Scheduler:
         return budget - n
 
     def _next_waiting(self) -> Request:
+        """FCFS: the queue's first.  Priority: the lowest ``(priority, arrival_time, request_id)``, vLLM's heap order.
+
+        Request ids that do not compare with each other (ids of mixed types)
+        leave ties in queue order.
+        """
         if self.config.policy == "fcfs":
             return self.waiting[0]
-        return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        try:
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time, r.request_id))
+        except TypeError:
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        seats = self.config.max_num_seqs - self._num_admitted()
+        cfg = self.config
+        chunked, full = cfg.chunked_prefill, cfg.scheduler_reserve_full_isl
+        seats = cfg.max_num_seqs - self._num_admitted()
         while self.waiting and budget > 0 and seats > 0:
             req = self._next_waiting()
-            want = req.num_tokens
-            if want > budget and not self.config.chunked_prefill:
-                return
-            res = self.tm.admit(req, min(want, budget))
+            res = self.tm.admit(
+                req,
+                min(req.num_tokens, budget),
+                chunked=chunked,
+                full_sequence_must_fit=full,
+                has_scheduled_reqs=bool(self.running),
+            )
             if res is None:
-                return
+                return  # it does not fit (the budget, the pool, the gates): vLLM stops admitting too
             self.waiting.remove(req)
             seats -= 1
             rid = req.request_id
@@ -550,7 +620,7 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         rid = req.request_id
-        if self.tm.holds(rid):
+        if self.tm.is_open(rid):  # its KV, or only its request in the CPU store (a recompute victim, a failed load)
             self.tm.free(rid)
         for q in (self.running, self.swapped, self.waiting):
             if req in q:

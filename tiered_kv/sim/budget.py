@@ -6,7 +6,7 @@ simulator's appetite is simple enough to predict: the workload is built in
 full up front (a list entry and usually a fresh int per token), every GPU and
 CPU block is a small Python object created when the pools are, and the run
 time grows with the tokens simulated.  The constants below were measured on
-the main experiment (``tracemalloc`` peak; wall time on 2 cores) and carry a
+the synthetic experiment (``tracemalloc`` peak; wall time on 2 cores) and carry a
 margin; they only need to be right within a small factor to tell a long run
 from an absurd one.
 """
@@ -28,7 +28,7 @@ BYTES_PER_TOKEN = 64
 BYTES_PER_BLOCK = 256
 # The interpreter, the imports and the results.
 BASE_BYTES = 256 << 20
-# Measured about 1.1 us of wall time per workload token and run (the main experiment, 2 cores); x2 margin.
+# Measured about 1.1 us of wall time per workload token and run (the synthetic experiment, 2 cores); x2 margin.
 SECONDS_PER_TOKEN = 2e-6
 # Longer than this is not an experiment but a mistake in a config.
 MAX_SECONDS = 7 * 24 * 3600.0

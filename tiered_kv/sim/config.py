@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from tiered_kv.errors import ConfigError
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.sim.calibration import Calibration
+from tiered_kv.sim.client import OPEN_LOOP, ClientSpec
 from tiered_kv.sim.compute import ComputeModel
 from tiered_kv.sim.config_schema import DEFAULT_RUNS, REGIME_SCHEMA, RUN_SCHEMA, SCHEMA
 from tiered_kv.sim.engine_version import EngineVersion, parse_engine
@@ -36,13 +37,14 @@ from tiered_kv.sim.profiles import (
 from tiered_kv.sim.schema import validate
 from tiered_kv.sim.shipped import shipped, shipped_names
 from tiered_kv.sim.tier_config import NO_TIERS, TierSetup, resolve_tiers
-from tiered_kv.sim.workload import longest_synthetic
+from tiered_kv.sim.workload import check_load, longest_synthetic
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 GIB = 1 << 30
-DEFAULT_CONFIG = "oversubscribed-llama3-8b-h200"  # the main experiment, shipped in configs/
+# The synthetic experiment, shipped in configs/ (the main job, scripts/run-main.sh, is mooncake-llama3-8b-h200).
+DEFAULT_CONFIG = "oversubscribed-llama3-8b-h200"
 __all__ = [
     "RunSetup",
     "config_from_raw",
@@ -89,6 +91,10 @@ class RunSetup:
     note: str = ""
     vs: str | None = None
     tiers: TierSetup = NO_TIERS
+    prefix_caching: bool = True
+    scheduler_reserve_full_isl: bool = True
+    watermark: float = 0.0
+    client: ClientSpec = OPEN_LOOP  # how the requests are sent (workload.concurrency, workload.think_s)
     engine: str = ""
     async_scheduling: bool = False
     # Not empty when the hardware profile gives no step model for the engine's era: what ran instead.
@@ -96,7 +102,7 @@ class RunSetup:
 
 
 def find_config(ref: str | Path | None) -> Path | Traversable:
-    """The config file for ``ref``: a path, the name of a shipped config, or None for the main experiment."""
+    """The config file for ``ref``: a path, the name of a shipped config, or None for the synthetic experiment."""
     if ref is None:
         ref = DEFAULT_CONFIG
     p = Path(ref).expanduser()
@@ -187,7 +193,7 @@ def read_config(path: str | Path | None = None) -> tuple[Any, str]:
     if raw is None or raw == {}:  # an empty file is a mistake, never a request for the defaults
         raise ConfigError(
             f"config: '{src}' is empty; a config says what to simulate (see configs/quickstart-l40s.yaml), "
-            "and `tiered-kv simulate` with no config runs the main experiment"
+            "and `tiered-kv simulate` with no config runs the synthetic experiment"
         )
     if isinstance(src, Path):
         raw = resolve_paths(raw, src.resolve().parent)
@@ -199,7 +205,7 @@ def load_config(
     overrides: dict[str, Any] | None = None,
     calibration: Calibration | None = None,
 ) -> dict[str, Any]:
-    """Read and validate a YAML config (``None``: the main experiment; a bare name: a shipped config).
+    """Read and validate a YAML config (``None``: the synthetic experiment; a bare name: a shipped config).
 
     Relative paths inside the config (profile files, a trace) are resolved
     against the config file's directory.  With ``calibration``, runs are
@@ -264,6 +270,7 @@ def validate_config(raw: Any, calibration: Calibration | None = None) -> dict[st
         raise ConfigError("workload.shared_prefix: a workload is a trace or shared prefixes, not both (drop one)")
     _check_length(w["prompt_len"], "workload.prompt_len")
     _check_length(w["output_len"], "workload.output_len")
+    check_load(w)
     runs = cfg["runs"] if cfg["runs"] is not None else copy.deepcopy(DEFAULT_RUNS)
     if not runs:
         raise ConfigError("runs: must list at least one run")
@@ -521,6 +528,7 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
     d2h, h2d, ovh = link.d2h_bytes_per_s, link.h2d_bytes_per_s, link.per_copy_overhead_s
     async_sched = s["async_scheduling"] if s["async_scheduling"] is not None else engine.async_scheduling
     tiers = resolve_tiers(run["tiers"], hw.tiers, block_bytes, max(n_cpu, 0), run["offload"], f"{rkey}.tiers")
+    _check_prefix_caching(cfg["memory"]["prefix_caching"], run, rkey)
     return RunSetup(
         name=run["name"],
         victim_policy=run["victim_policy"],
@@ -549,7 +557,20 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
         note=run["note"],
         vs=run["vs"],
         tiers=tiers,
+        prefix_caching=cfg["memory"]["prefix_caching"],
+        scheduler_reserve_full_isl=s["scheduler_reserve_full_isl"],
+        watermark=s["watermark"],
+        client=ClientSpec(cfg["workload"]["concurrency"], cfg["workload"]["think_s"]),
         engine=engine.name,
         async_scheduling=async_sched,
         uncalibrated=uncalibrated if calibration is None else "",
     )
+
+
+def _check_prefix_caching(on: bool, run: dict[str, Any], rkey: str) -> None:
+    """A CPU prefix tier (offload, which tiers below the CPU need too) is keyed by block hash: it needs caching."""
+    if not on and run["offload"] != "none":
+        raise ConfigError(
+            f"{rkey}.offload: {run['offload']} keeps a CPU prefix tier, which needs prefix caching, but "
+            "memory.prefix_caching is false; give offload: none, or turn prefix caching on"
+        )

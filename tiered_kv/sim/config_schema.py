@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiered_kv.manager.victim_policy import RENAMED_VICTIM_POLICIES, VICTIM_POLICIES, renamed_victim_policy_hint
+from tiered_kv.manager.victim_policy import (
+    RENAMED_VICTIM_POLICIES,
+    VICTIM_POLICIES,
+    renamed_victim_policy_hint,
+    victim_policy_class,
+)
 from tiered_kv.sim import shared_prefix
 from tiered_kv.sim.engine_version import DEFAULT_ENGINE, engine_check
 from tiered_kv.sim.link import LAYOUTS, MODES
@@ -42,11 +47,17 @@ def _run_policy(value: Any) -> str:
 
 
 def _victim_policy(value: str) -> str | None:
-    if value in VICTIM_POLICIES:
+    found = victim_policy_class(value)  # a registered name, or a qualified class name (imported here)
+    if not isinstance(found, str):
         return None
     if value in RENAMED_VICTIM_POLICIES:
         return f"{value!r} was renamed: {renamed_victim_policy_hint(value)}"
-    return f"must be one of {sorted(VICTIM_POLICIES)}, got {value!r}"
+    if "." in value:
+        return found  # why the qualified name names no policy
+    return (
+        f"must be one of {sorted(VICTIM_POLICIES)} (or a policy of your own: registered with "
+        f"register_victim_policy, or its class's qualified name package.module.ClassName), got {value!r}"
+    )
 
 
 def _offload(value: str) -> str | None:
@@ -62,6 +73,10 @@ def _scheduling(value: Any) -> str:
         "the scheduling order is now called policy (SchedulerConfig.policy: fcfs or priority, as in vLLM); "
         "the simulator serves in arrival order (fcfs) and takes no such key"
     )
+
+
+def _watermark(v: Any) -> str | None:
+    return None if 0 <= v < 1 else f"must be in [0, 1) (a fraction of the GPU KV blocks, vLLM's range), got {v}"
 
 
 def _length(default_dist: str, value: int) -> dict[str, Any]:
@@ -127,6 +142,9 @@ SCHEMA: dict[str, Any] = {
         "cudagraph_gib": num(None, non_negative, nullable=True),
         "gpu_blocks": Field((int,), None, None, (positive,), nullable=True),
         "cpu_blocks": Field((int,), None, None, (non_negative,), nullable=True),
+        # vLLM's enable_prefix_caching (--no-enable-prefix-caching: false): off, nothing is cached
+        # on the GPU, so a preempted request cannot find its own freed blocks again.
+        "prefix_caching": Field((bool,), True),
     },
     "scheduler": {
         # None: vLLM v1's defaults for the hardware (HardwareProfile.vllm_default_limits).
@@ -136,6 +154,12 @@ SCHEMA: dict[str, Any] = {
         "scheduling": Retired(_scheduling),
         # vLLM's --async-scheduling (None: the engine version's default, on from 0.14.0).
         "async_scheduling": Field((bool,), None, nullable=True),
+        # vLLM 0.33's admission gate, its name and default: admit a request only when its whole
+        # prompt fits the GPU pool, not only its first chunk.
+        "scheduler_reserve_full_isl": Field((bool,), True),
+        # vLLM 0.33's KV-cache watermark: the fraction of the GPU pool an admission leaves free
+        # while requests run.
+        "watermark": num(0.0, _watermark),
     },
     # Overrides of the hardware profile's fitted step model (None: the profile's).
     "compute": {
@@ -170,7 +194,8 @@ SCHEMA: dict[str, Any] = {
         "num_requests": integer(1000, positive),
         "arrival": {
             "process": choice("poisson", "poisson", "bursty", "fixed"),
-            "rate": num(10.0, positive),
+            # .inf: every request at 0 (vllm bench serve's default --request-rate inf)
+            "rate": num(10.0, positive, allow_inf=True),
             "burst_size": integer(8, positive),
         },
         "prompt_len": _length("uniform", 512),
@@ -195,6 +220,17 @@ SCHEMA: dict[str, Any] = {
             "window_s": Field((list,), None, nullable=True),
             "every": integer(1, positive),
         },
+        # Then replay it faster or slower: every time divided by speedup, or scaled to a mean rate
+        # (requests/s); one of the two; .inf: every request at 0.
+        "trace_scale": {
+            "speedup": num(None, positive, nullable=True, allow_inf=True),
+            "rate": num(None, positive, nullable=True, allow_inf=True),
+        },
+        # The client (tiered_kv.sim.client), null: an open loop.  concurrency: at most N requests in
+        # flight (vllm bench serve --max-concurrency); think_s: a conversation's next turn is sent this
+        # many seconds after its previous answer.
+        "concurrency": Field((int,), None, None, (positive,), nullable=True),
+        "think_s": num(None, non_negative, nullable=True),
     },
     "runs": Field((list,), None, nullable=True),
     "regimes": Field((list,), None, nullable=True),

@@ -23,7 +23,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "tqdm": ("tqdm", "pip install 'tiered-kv[sim]'"),
     "ray": ("ray", "pip install 'tiered-kv[ray]'"),
     "prometheus_client": ("prometheus-client", "pip install 'tiered-kv[metrics]'"),
-    "torch": ("torch", "pip install 'tiered-kv[torch]', or your own CUDA build of torch (see the README)"),
+    "torch": ("torch", "pip install 'tiered-kv[torch]', or your own CUDA build of torch (see docs/install.md)"),
 }
 
 

@@ -11,7 +11,9 @@ its content, not its name:
   ``total_output_tokens``, ``mean_ttft_ms``, ``mean_tpot_ms``,
   ``mean_itl_ms``, ``mean_e2el_ms`` when asked for): one run of
   ``num_prompts`` requests with the mean prompt and output lengths, sent as a
-  Poisson process at ``request_rate`` (or all at once for ``inf``);
+  Poisson process at ``request_rate`` (or all at once for ``inf``), at most
+  ``max_concurrency`` in flight when it was given (``workload.concurrency``:
+  the closed loop of ``--max-concurrency``);
 * **an inference-perf results directory**: its ``stage_N_lifecycle_metrics.json``
   (``successes.latency.time_to_first_token.mean`` and
   ``request_latency.mean`` in seconds, ``successes.output_len.mean``) and the
@@ -23,10 +25,9 @@ its content, not its name:
   cache size: N tokens``; these settings apply to the benchmark results given
   with it (flags of the command win over the log).
 
-Anything else is refused with one line that says what was expected.  So are a
-closed-loop benchmark (``max_concurrency`` with ``request_rate: inf``: the
-simulator replays arrival times) and bursty arrivals (``burstiness`` other
-than 1).
+Anything else is refused with one line that says what was expected.  So are
+bursty arrivals (``burstiness`` other than 1: vLLM's gamma-distributed gaps,
+which the simulator's arrival processes do not draw).
 """
 
 from __future__ import annotations
@@ -130,11 +131,9 @@ def is_bench_result(raw: Any) -> bool:
 def bench_run(raw: dict[str, Any], name: str, settings: Settings) -> dict[str, Any]:
     """A measured run (the run-set format) from a ``vllm bench serve --save-result`` JSON."""
     rate = raw["request_rate"]
-    if raw.get("max_concurrency") is not None and (rate == "inf" or rate == math.inf):
-        raise ConfigError(
-            f"{name}: a closed-loop benchmark (max_concurrency {raw['max_concurrency']} with request_rate inf) "
-            "cannot be replayed by arrival times; measure at a finite --request-rate"
-        )
+    cap = raw.get("max_concurrency")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+        raise ConfigError(f"{name}.max_concurrency: expected a whole number >= 1 or null, got {cap!r}")
     burst = raw.get("burstiness", 1.0)
     if burst not in (None, 1, 1.0):
         raise ConfigError(f"{name}.burstiness: {burst!r}: only Poisson arrivals (burstiness 1) are simulated")
@@ -151,11 +150,12 @@ def bench_run(raw: dict[str, Any], name: str, settings: Settings) -> dict[str, A
     if not isinstance(e2e, int | float) or isinstance(e2e, bool):
         e2e = ttft + float(tpot) * (mean_out - 1)  # no E2E saved: the mean request's
     n = int(raw.get("num_prompts") or completed)
-    arrival = (
-        {"process": "fixed", "rate": 1.0e9}
-        if rate == "inf" or rate == math.inf
-        else {"process": "poisson", "rate": _num(raw, "request_rate", name)}
-    )
+    if rate == "inf" or rate == math.inf:
+        # All ready at 0: with a cap, the closed loop (.inf is a load only with a concurrency);
+        # without one, one burst (a rate no step can tell from all at once).
+        arrival = {"process": "fixed", "rate": math.inf if cap else 1.0e9}
+    else:
+        arrival = {"process": "poisson", "rate": _num(raw, "request_rate", name)}
     model = settings.model or raw.get("model_id")
     if not isinstance(model, str):
         raise ConfigError(f"{name}.model_id: no model named (give --model)")
@@ -174,6 +174,7 @@ def bench_run(raw: dict[str, Any], name: str, settings: Settings) -> dict[str, A
             "arrival": arrival,
             "prompt_len": {"dist": "fixed", "value": max(1, round(mean_in))},
             "output_len": {"dist": "fixed", "value": max(2, round(mean_out))},
+            **({"concurrency": cap} if cap else {}),
         },
         "measured": {
             "summary": {

@@ -1,9 +1,13 @@
-"""Simulation output: a terminal table, a JSON document and matplotlib plots."""
+"""Simulation output: the KV demand, a regime's verdict, the JSON document and the matplotlib plots.
+
+The tables are :mod:`tiered_kv.sim.run_tables`'; the trace's plots :mod:`tiered_kv.sim.trace_report`'s.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +16,7 @@ from tiered_kv.errors import OutputError
 from tiered_kv.sim.config import RunSetup
 from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.files import make_dir, write_text
+from tiered_kv.sim.run_tables import WIDTH
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,52 +77,27 @@ def regime_verdict(runs: list[dict[str, Any]], offered_rps: float) -> dict[str, 
     return {"regime": "over" if over else "below", "queue_share_of_ttft": share, "served_share": served, "text": text}
 
 
-def _gain(run: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float]:
-    """(throughput ratio, end-to-end p50 speed-up) of ``run`` over ``ref``; above 1 is better."""
-    tput = run["throughput_rps"] / ref["throughput_rps"] if ref["throughput_rps"] else 0.0
-    e2e = ref["e2e_s"]["p50"] / run["e2e_s"]["p50"] if run["e2e_s"]["p50"] else 0.0
-    return tput, e2e
+def fit_lines(emit: Callable[[str], None], width: int = WIDTH) -> Callable[[str], None]:
+    """``emit`` with every line of a text longer than ``width`` wrapped, its continuation indented.
 
-
-def table(runs: list[dict[str, Any]]) -> str:
-    """One row per run; each run's gain is over the run it names in ``vs`` (its baseline), else the first run.
-
-    The gain columns attribute the difference to what the run adds over its
-    baseline: ``tput`` is the ratio of requests served per second, ``E2E`` the
-    ratio of median end-to-end latencies (baseline / run), both above 1 when
-    the run is better.
+    Tables are built narrow (:mod:`tiered_kv.sim.run_tables`); this keeps the prose around
+    them (the run's first line, a regime's verdict) within a terminal of 100 columns too.
+    A word longer than the line (a long path) is kept whole.
     """
-    by_name = {r["run"]: r for r in runs}
-    head = (
-        f"{'run':20} {'req/s':>6} {'vs':>20} {'tput':>5} {'E2E':>5} {'out tok/s':>9} {'TTFT p50/p99 s':>15} "
-        f"{'TPOT p50/p99 ms':>16} {'E2E p50/p99 s':>14} {'swap':>5} {'recmp':>5} {'GB out/in':>11} "
-        f"{'recomp tok':>10} {'hit GPU/CPU':>11} {'xfer hid/exp s':>14} {'stall s':>7}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in runs:
-        ref_name = r.get("vs") or (runs[0]["run"] if r is not runs[0] else None)
-        ref = by_name.get(ref_name) if ref_name else None
-        if ref is None:
-            vs, tput, e2e = "(baseline)", "", ""
-        else:
-            g_tput, g_e2e = _gain(r, ref)
-            vs, tput, e2e = ref["run"][:20], f"{g_tput:.2f}x", f"{g_e2e:.2f}x"
-        lines.append(
-            f"{r['run'][:20]:20} {r['throughput_rps']:6.2f} {vs:>20} {tput:>5} {e2e:>5} "
-            f"{r['throughput_output_tps']:9.0f} "
-            f"{r['ttft_s']['p50']:7.2f}/{r['ttft_s']['p99']:<7.2f} "
-            f"{r['tpot_s']['p50'] * 1e3:7.1f}/{r['tpot_s']['p99'] * 1e3:<8.1f} "
-            f"{r['e2e_s']['p50']:6.2f}/{r['e2e_s']['p99']:<7.2f} "
-            f"{r['preemptions_swap']:5d} {r['preemptions_recompute']:5d} "
-            f"{r['gb_swapped_out']:5.1f}/{r['gb_swapped_in']:<5.1f} {r['tokens_recomputed']:10d} "
-            f"{r['gpu_prefix_hit_rate']:5.2f}/{r['cpu_prefix_hit_rate']:<5.2f} "
-            f"{r['transfer_hidden_s']:6.2f}/{r['transfer_exposed_s']:<7.2f} {r.get('stall_s', 0.0):7.2f}"
-        )
-    notes = [f"  {r['run']}: {r['note']}" for r in runs if r.get("note")]
-    if notes:
-        lines.append("")
-        lines.extend(notes)
-    return "\n".join(lines)
+
+    def out(text: str) -> None:
+        lines = []
+        for line in text.split("\n"):
+            if len(line) <= width:
+                lines.append(line)
+                continue
+            indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
+            lines += textwrap.wrap(
+                line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+            )
+        emit("\n".join(lines))
+
+    return out
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -128,7 +108,9 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
 def save_figure(fig: Any, path: Path, title: str) -> Path:
     """Title, lay out, write and close one figure; shared by every module that draws plots.
 
-    The figure is closed even when the write fails, so a failed ``--plots`` leaks no figures.
+    A figure built with a layout engine (``layout="constrained"``, which makes room for
+    a legend placed outside the axes) keeps it; any other is laid out tightly.  The
+    figure is closed even when the write fails, so a failed ``--plots`` leaks no figures.
 
     Raises:
         OutputError: the file cannot be written (naming ``--plots`` and the path).
@@ -136,7 +118,8 @@ def save_figure(fig: Any, path: Path, title: str) -> Path:
     import matplotlib.pyplot as plt
 
     fig.suptitle(title)
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     try:
         fig.savefig(path, dpi=110)
     except OSError as exc:
@@ -146,68 +129,127 @@ def save_figure(fig: Any, path: Path, title: str) -> Path:
     return path
 
 
-def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
-    """Usage over time, latency CDFs, and the policies side by side."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (the ``sim`` extra; a clear error without it)."""
     matplotlib = import_extra("matplotlib", "--plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    make_dir(outdir, "--plots")
-    paths = []
+    return plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+
+def run_label(run: dict[str, Any]) -> str:
+    """A run's name in a legend: ``regime: run`` when the config has regimes."""
+    return f"{run['regime']}: {run['run']}" if run.get("regime") else run["run"]
+
+
+def run_colors(runs: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """One colour per run (by :func:`run_label`), the same in every panel and figure (a panel may show only some)."""
+    return {run_label(r): f"C{k % 10}" for k, r in enumerate(runs)}
+
+
+def usage_figure(runs: Sequence[dict[str, Any]]) -> Any:
+    """GPU KV usage over time for every run; the CPU tier's panels only for runs that have a CPU tier.
+
+    The simulator's usage samples are ``[time, GPU usage, CPU blocks held, CPU tier
+    fill]``, each a fraction.  A run without a CPU tier has no CPU series at all (a
+    flat zero would read as an empty tier).  A run without write-through still fills
+    its CPU tier: swap-outs store their full blocks there, and they stay cached after
+    the swap-in.  The legend sits under the panels, never over a curve.
+    """
+    plt = pyplot()
+    colors = run_colors(runs)
+    with_cpu = [r for r in runs if r["cpu_blocks"]]
+    n = 3 if with_cpu else 1
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.6 * n + 1.2), sharex=True, squeeze=False, layout="constrained")
+    axes = axes[:, 0]
     for r in runs:
         t = [u[0] for u in r["usage"]]
-        for ax, col in zip(axes, (1, 2, 3), strict=True):
-            ax.plot(t, [u[col] for u in r["usage"]], label=r["run"], lw=1)
-    # The simulator's usage samples: [time, GPU usage, CPU blocks held, CPU tier fill], each a fraction.
+        axes[0].plot(t, [u[1] for u in r["usage"]], label=run_label(r), lw=1, color=colors[run_label(r)])
     axes[0].set_ylabel("GPU KV usage")
-    axes[1].set_ylabel("CPU KV held\n(swapped, loading,\nbeing written)")
-    axes[2].set_ylabel("CPU tier fill\n(every cached block)")
-    axes[2].set_xlabel("simulated time (s)")
-    axes[0].legend(fontsize=8)
-    paths.append(save_figure(fig, outdir / "usage_over_time.png", f"{title}: KV usage over time"))
+    if with_cpu:
+        for r in with_cpu:
+            t = [u[0] for u in r["usage"]]
+            for ax, col in ((axes[1], 2), (axes[2], 3)):
+                ax.plot(t, [u[col] for u in r["usage"]], lw=1, color=colors[run_label(r)], label=run_label(r))
+        axes[1].set_ylabel("CPU tier: held\n(swapped, loading,\nbeing written)")
+        axes[2].set_ylabel("CPU tier: fill\n(every cached block,\nwrite-through or swap-out)")
+        if len(with_cpu) < len(runs):
+            axes[1].set_title("CPU tier panels: runs with a CPU tier only", fontsize=9)
+    axes[-1].set_xlabel("simulated time (s)")
+    for ax in (axes[0], axes[-1]):  # fractions; the held panel keeps its own scale (a few percent)
+        ax.set_ylim(-0.02, 1.02)
+    handles, labels = axes[0].get_legend_handles_labels()  # every run once (the CPU panels show some)
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(3, len(runs)), fontsize=8)
+    return fig
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+
+def latency_figure(runs: Sequence[dict[str, Any]]) -> Any:
+    """TTFT and end-to-end latency CDFs, one curve per run; the legend under the panels."""
+    plt = pyplot()
+    colors = run_colors(runs)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.6), layout="constrained")
     for r in runs:
         for ax, key in zip(axes, ("ttft_s", "e2e_s"), strict=True):
             xs = r["latency_samples"][key]
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=r["run"], lw=1)
+            ax.plot(
+                xs, [(i + 1) / len(xs) for i in range(len(xs))], lw=1, color=colors[run_label(r)], label=run_label(r)
+            )
     axes[0].set_xlabel("time to first token (s)")
     axes[1].set_xlabel("end-to-end latency (s)")
     axes[0].set_ylabel("fraction of requests")
-    axes[0].legend(fontsize=8)
-    paths.append(save_figure(fig, outdir / "latency_cdf.png", f"{title}: latency CDFs"))
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=min(3, len(runs)), fontsize=8)
+    return fig
 
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
-    names = [r["run"] for r in runs]
-    axes[0].bar(names, [r["throughput_rps"] for r in runs], color="tab:blue")
-    axes[0].set_title("throughput (req/s)")
-    axes[1].bar(names, [r["e2e_s"]["p99"] for r in runs], color="tab:orange")
-    axes[1].set_title("p99 end-to-end latency (s)")
-    axes[2].bar(names, [r["preemptions_swap"] for r in runs], label="swap", color="tab:green")
-    axes[2].bar(
-        names,
-        [r["preemptions_recompute"] for r in runs],
-        bottom=[r["preemptions_swap"] for r in runs],
-        label="recompute",
-        color="tab:red",
+
+def policies_figure(runs: Sequence[dict[str, Any]]) -> Any:
+    """Throughput, p99 end-to-end latency and preemptions by mode, one horizontal bar per run.
+
+    The runs are rows named on the y axis (first run on top), so long names never
+    overlap; each bar carries its value; the legend of the preemption modes sits
+    under the panels.
+    """
+    plt = pyplot()
+    names = [run_label(r) for r in runs]
+    ys = list(range(len(runs)))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 1.2 + 0.45 * len(runs) + 0.9), sharey=True, layout="constrained")
+    panels = (
+        (axes[0], [r["throughput_rps"] for r in runs], "throughput (req/s)", "tab:blue", "{:.3g}"),
+        (axes[1], [r["e2e_s"]["p99"] for r in runs], "p99 end-to-end latency (s)", "tab:orange", "{:.3g}"),
     )
-    axes[2].set_title("preemptions")
-    axes[2].legend(fontsize=8, loc="lower right")
-    for ax in axes:
-        ax.margins(y=0.12)
-    for ax in axes:
-        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    paths.append(save_figure(fig, outdir / "policies.png", f"{title}: policies side by side"))
-    return paths
+    for ax, values, title, color, fmt in panels:
+        bars = ax.barh(ys, values, color=color)
+        ax.bar_label(bars, [fmt.format(v) for v in values], padding=2, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    swap = [r["preemptions_swap"] for r in runs]
+    rec = [r["preemptions_recompute"] for r in runs]
+    axes[2].barh(ys, swap, color="tab:green", label="swap")
+    bars = axes[2].barh(ys, rec, left=swap, color="tab:red", label="recompute")
+    axes[2].bar_label(bars, [f"{a + b}" for a, b in zip(swap, rec, strict=True)], padding=2, fontsize=8)
+    axes[2].set_title("preemptions, by mode", fontsize=10)
+    axes[0].set_yticks(ys, names, fontsize=8)
+    axes[0].invert_yaxis()  # the first run on top, as in the tables
+    totals = (panels[0][1], panels[1][1], [a + b for a, b in zip(swap, rec, strict=True)])
+    for ax, values in zip(axes, totals, strict=True):
+        # room on the right for the values (explicit: a stacked bar's left edge would pin the autoscale)
+        ax.set_xlim(0, 1.25 * max(values, default=0) or 1)
+    fig.legend(loc="outside lower center", ncol=2, fontsize=8)
+    return fig
+
+
+def plot(runs: list[dict[str, Any]], outdir: Path, title: str) -> list[Path]:
+    """Usage over time, latency CDFs, and the policies side by side."""
+    make_dir(outdir, "--plots")
+    return [
+        save_figure(usage_figure(runs), outdir / "usage_over_time.png", f"{title}: KV usage over time"),
+        save_figure(latency_figure(runs), outdir / "latency_cdf.png", f"{title}: latency CDFs"),
+        save_figure(policies_figure(runs), outdir / "policies.png", f"{title}: policies side by side"),
+    ]
 
 
 def plot_sweep(rows: list[dict[str, Any]], outdir: Path, title: str) -> Path:
-    matplotlib = import_extra("matplotlib", "--plots")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     make_dir(outdir, "--plots")
     rates = sorted({r["rate"] for r in rows})
     fig, axes = plt.subplots(1, len(rates), figsize=(5 * len(rates), 4), squeeze=False)

@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.obs.recorder import MetricsRecorder, Reading
-from tiered_kv.sim import trace_formats, trace_report
+from tiered_kv.sim import run_tables, trace_formats, trace_report
 from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import Calibration, load_calibration
+from tiered_kv.sim.client import describe_load
 from tiered_kv.sim.config import config_from_raw, derived_fields, read_config, setup
 from tiered_kv.sim.extras import import_extra
 from tiered_kv.sim.files import write_text
 from tiered_kv.sim.progress import Progress
 from tiered_kv.sim.records import jsonl
-from tiered_kv.sim.report import kv_demand, plot, regime_verdict, table, write_json
+from tiered_kv.sim.report import fit_lines, kv_demand, plot, regime_verdict, write_json
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.tier_report import has_tiers, tier_table
 from tiered_kv.sim.timeline import chrome_trace
@@ -172,9 +173,12 @@ def _plan(
 def _report_regimes(
     regimes: list[tuple], results: list[dict[str, Any]], emit: Callable[[str], None]
 ) -> list[dict[str, Any]]:
-    """Print each regime's verdict and tables; return the regime summaries of the results document."""
+    """Print each regime's verdict and tables; return the regime summaries of the results document.
+
+    The legends are printed under the first regime's tables only: the others' columns are the same.
+    """
     summaries = []
-    for name, rate, expect, _ in regimes:
+    for k, (name, rate, expect, _) in enumerate(regimes):
         runs = [r for r in results if r["regime"] == name]
         verdict = regime_verdict(runs, rate)
         summaries.append({"name": name, "rate": rate, "expect": expect, **verdict})
@@ -183,10 +187,10 @@ def _report_regimes(
             emit(f"regime {name}: {rate:g} requests/s offered; {verdict['text']}")
             if expect is not None and expect != verdict["regime"]:
                 emit(f"  note: this regime was meant to be {expect!r}, but the measurements say {verdict['regime']!r}")
-        emit(table(runs))
+        emit(run_tables.report(runs, legend=k == 0))
         if has_tiers(runs):
             emit("")
-            emit(tier_table(runs))
+            emit(tier_table(runs, legend=k == 0))
     return summaries
 
 
@@ -245,6 +249,7 @@ def simulate(
     ``metrics_path`` the Prometheus text exposition of every run (labels
     ``run`` and ``regime``; ``docs/metrics.md``).
     """
+    emit = fit_lines(emit)  # every line within 100 columns: prose is wrapped (the tables are narrow)
     cal = load_calibration(calibration) if calibration is not None else None
     raw, stem = read_config(config)
     regimes = regime_configs(raw, stem, overrides, cal)
@@ -257,10 +262,12 @@ def simulate(
     _, _, where, first, demand0, _ = heads[0]
     if first.uncalibrated:  # the first line a run prints: its step times are a default, not this GPU's
         emit(f"note: {first.uncalibrated}")
+    load = describe_load(cfg0["workload"])  # first, where it is seen: it changes every number below
     emit(
-        f"{cfg0['name']}: {first.model.name} on {where}, GPU KV {first.gpu_kv_gib:.4g} GiB "
-        f"({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to {first.max_num_seqs} running requests "
-        f"and {first.max_num_batched_tokens} tokens a step; {demand0.describe(first.max_num_seqs)}"
+        f"{cfg0['name']}{f', load: {load};' if load else ':'} {first.model.name} on {where}, GPU KV "
+        f"{first.gpu_kv_gib:.4g} GiB ({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to "
+        f"{first.max_num_seqs} running requests and {first.max_num_batched_tokens} tokens a step; "
+        f"{demand0.describe(first.max_num_seqs)}"
     )
     w = cfg0["workload"]
     if w["trace"] is not None:
@@ -284,9 +291,6 @@ def simulate(
     results = [o["result"] for o in outs]
     summaries = _report_regimes(regimes, results, emit)
     replayed = cfg0["workload"]["trace"] is not None
-    if replayed:  # a real workload: say where each run's difference comes from
-        emit("")
-        emit(trace_report.gains_table(results, first.block_size))
     doc = {
         "name": cfg0["name"],
         "hardware": where,
@@ -300,7 +304,8 @@ def simulate(
     _write_outputs(doc, outs, emit, json_path, requests_path, timeline_path, metrics_path, plots_dir)
     if replayed and plots_dir is not None:
         setups = [setup(cfg0, i, cal) for i in range(len(cfg0["runs"]))]
-        for p in trace_report.plot(workloads[regimes[0][0]], results, setups, plots_dir, cfg0["name"]):
+        runs0 = [r for r in results if r["regime"] == regimes[0][0]]
+        for p in trace_report.plot(workloads[regimes[0][0]], runs0, setups, plots_dir, cfg0["name"]):
             emit(f"wrote {p}")
     return doc
 

@@ -16,6 +16,7 @@ import gc
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, cast
 
 from tiered_kv.core.request import Request
@@ -24,6 +25,7 @@ from tiered_kv.manager.states import PreemptMode
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
 from tiered_kv.sim import tier_io
+from tiered_kv.sim.client import READY, Client
 from tiered_kv.sim.config import RunSetup
 from tiered_kv.sim.events import EventLoop
 from tiered_kv.sim.link import CopyGeometry, CopyJob, SimLink
@@ -126,11 +128,17 @@ class Simulator:
             cost_model=setup.cost_model,
             offload=setup.offload,
             hash_fn=setup.hash_fn,
+            enable_caching=setup.prefix_caching,
+            watermark=setup.watermark,
         )
         #: The I/O engine of each tier below the CPU (medium -> engine), when the run has such tiers.
         self.tier_engines = tier_io.attach(tm, self.loop, setup.tiers, geometry.bytes_per_block)
         self.records: dict[int, RequestRecord] = {}
         self.outputs = {r.rid: r.output for r in workload}
+        #: Sends the requests when the load is a closed loop (a concurrency cap, sessions); None: each at its arrival.
+        self.client = (
+            None if setup.client.open_loop else Client(setup.client, workload, self.loop, setup.compute.frontend_s)
+        )
         self.steps: list[Step] | None = [] if keep_timeline else None
         self.scheduler = Scheduler(
             tm,
@@ -140,6 +148,7 @@ class Simulator:
                 setup.chunked_prefill,
                 victim_policy=setup.victim_policy,
                 mode=setup.mode,
+                scheduler_reserve_full_isl=setup.scheduler_reserve_full_isl,
             ),
         )
 
@@ -189,8 +198,12 @@ class Simulator:
         # The serving front end (HTTP, tokenization, hand-off) delays a request's entry into the
         # scheduler; its record keeps the time it was sent, so TTFT and E2E include the front end.
         front = compute.frontend_s
-        for r in self.workload:
-            loop.schedule(r.arrival + front, "arrival", r)
+        client = self.client
+        if client is None:
+            for r in self.workload:
+                loop.schedule(r.arrival + front, "arrival", r)
+        else:
+            client.start()  # it sends each request when it is ready and a slot is free
         # Multi-step scheduling (vLLM 0.6's --num-scheduler-steps): a decode-only batch runs
         # msteps steps per decision, and requests arriving meanwhile wait for the next decision.
         msteps = compute.scheduler_steps
@@ -207,6 +220,7 @@ class Simulator:
         size = max((r.rid for r in self.workload), default=-1) + 1
         # Hot-loop copies indexed by request id (ids are 0..n-1): a list index is cheaper than a dict lookup.
         by_rid: list[RequestRecord | None] = [None] * size
+        times: list[list[float] | None] = [None] * size  # each request's token times (its record's list)
         out_ids: list[Sequence[int] | None] = [outputs.get(i) for i in range(size)]
         high = [0] * size  # most tokens ever computed per request (for per-request recompute)
         finished = 0
@@ -241,6 +255,8 @@ class Simulator:
                         loop.log("transfer_done", job.plan.plan_id, t_event)
                 elif kind == tier_io.EVENT:
                     tier_io.on_event(payload)
+                elif kind == READY:
+                    client.ready(payload, t_event)  # type: ignore[union-attr]  # only a client schedules READY
                 elif ms_left:
                     held.append(payload)
                 elif stepping and asynch:
@@ -259,7 +275,10 @@ class Simulator:
                 )
             sched.add_request(req)
             rec = RequestRecord(r.rid, r.rid if r.id is None else r.id, r.arrival, r.prompt_len)
+            if r.queued:
+                rec.client_queue = r.queued
             records[r.rid] = by_rid[r.rid] = rec
+            times[r.rid] = rec.token_times
             if tracing:
                 loop.log("arrival", r.rid, t_event)
 
@@ -362,12 +381,16 @@ class Simulator:
                     rec = by_rid[rid]  # type: ignore[assignment]
                     if rec.first_token < 0:
                         rec.first_token = end
+                for rid in sampled:  # every token sampled in this step reaches the client at its end
+                    times[rid].append(end)  # type: ignore[call-overload]
                 for req in sched.update(out, sampled):
                     rec = by_rid[cast(int, req.request_id)]  # type: ignore[assignment]
                     rec.finish = end
                     rec.output_tokens = req.num_output_tokens
                     if tracing:
                         loop.log("finish", req.request_id)
+                    if client is not None:
+                        client.finished(rec.rid, end)
                 finished = len(records) - sched.num_unfinished
                 if end >= next_usage:
                     m = sched.metrics()
@@ -442,6 +465,9 @@ class Simulator:
         front = self.setup.compute.frontend_s
         queue = [r.admitted - r.arrival - front for r in recs if r.admitted >= 0]
         tpot = [(r.finish - r.first_token) / (r.output_tokens - 1) for r in recs if r.output_tokens > 1]
+        # Inter-token latency: the gaps between consecutive tokens of each request, pooled over the
+        # requests, as vLLM's benchmark client pools them (``itls += outputs[i].itl``) before its percentiles.
+        itl = [b - a for r in recs for a, b in pairwise(r.token_times)]
         n_out = sum(r.output_tokens for r in recs)
         requested = sum(len(o) for o in self.outputs.values())
         m = self.scheduler.metrics()
@@ -478,6 +504,10 @@ class Simulator:
             "frontend_s": front,
             "queue_s": percentiles(queue),
             "tpot_s": percentiles(tpot),
+            "itl_s": {**percentiles(itl), "mean": sum(itl) / len(itl) if itl else 0.0},
+            # the wait for a free slot of the client's concurrency cap, before a request is sent (vLLM's
+            # client_queue_time); TTFT and E2E count from the send, as vLLM's client measures them
+            "client_queue_s": percentiles([r.client_queue for r in recs]),
             "e2e_s": percentiles(e2e),
             # the vLLM paper's normalized latency: mean over requests of end-to-end latency / output tokens
             "norm_latency_s": sum(x / r.output_tokens for x, r in zip(e2e, recs, strict=True) if r.output_tokens)
@@ -493,6 +523,17 @@ class Simulator:
             "recompute_s": recompute_s,
             "gpu_prefix_hit_rate": m.gpu_hit_rate,
             "cpu_prefix_hit_rate": m.cpu_hit_rate,
+            # Tokens looked up and found at admission, kept apart as vLLM does: a request's first
+            # admission (hits are prefix reuse between requests) and the re-admission of a recompute
+            # victim (hits are mostly its own KV found again, not reuse).
+            "lookup_tokens": {
+                "first": {"tokens": c.gpu_query_tokens, "gpu": c.gpu_hit_tokens, "cpu": c.cpu_hit_tokens},
+                "readmitted": {
+                    "tokens": c.preempted_gpu_query_tokens,
+                    "gpu": c.preempted_gpu_hit_tokens,
+                    "cpu": c.preempted_cpu_hit_tokens,
+                },
+            },
             "transfer_s": transfer_s,
             "transfer_hidden_s": hidden,
             "transfer_exposed_s": transfer_s - hidden,

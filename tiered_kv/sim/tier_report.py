@@ -1,18 +1,17 @@
-"""The report of the tiers below the CPU: where each run's prefixes came from, and what each tier bought.
+"""The report of the tiers below the CPU: what each tier of each run held, moved and lost.
 
-Printed after the main table when some run of a regime has a disk or remote
-tier.  Per run: its gains over the run it names in ``vs`` (requests per second,
-median TTFT), the share of prompt tokens past the GPU that were loaded rather
-than recomputed (from the CPU tier or staged through it), and per tier below
-the CPU the prefix blocks it was the highest tier to hold (``hit``), the
-blocks it loaded into the CPU tier (``load``), the blocks written to it
-(``stored``) and the simulated seconds its read lane was busy.  ``lost``
-counts blocks the CPU tier evicted while no tier below held them.
+Printed after a regime's other tables (:mod:`tiered_kv.sim.run_tables`) when some
+run has a disk or remote tier: one row per run and tier, in blocks of the run's
+block size.  The gains such a run makes are in the latency table, against the
+run it adds to; the share of prompt tokens found below the GPU is in the table
+of where the prompts' KV came from.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from tiered_kv.sim.run_tables import Column, Group, Row, Table, rows
 
 
 def has_tiers(runs: list[dict[str, Any]]) -> bool:
@@ -20,36 +19,52 @@ def has_tiers(runs: list[dict[str, Any]]) -> bool:
     return any(r.get("lower_tiers") for r in runs)
 
 
-def _ratio(num: float, den: float) -> str:
-    return f"{num / den:.2f}x" if den else "-"
+def _count(key: str) -> Any:
+    return lambda r: f"{r.tier[1][key]:d}"
 
 
-def tier_table(runs: list[dict[str, Any]]) -> str:
-    """One row per run: gains over its ``vs`` run, where its prefixes were found, what each lower tier moved."""
-    by_name = {r["run"]: r for r in runs}
-    # A column per tier any run has, highest first as the runs list them.
-    names = list(dict.fromkeys(name for r in runs for name in r.get("lower_tiers") or {}))
-    cols = "".join(f" {name + ' hit/load/stored':>28} {name + ' rd s':>10}" for name in names)
-    head = f"{'run':20} {'vs':>20} {'tput':>6} {'TTFT':>6} {'loaded past GPU':>15}{cols} {'lost':>7}"
-    lines = ["tiers below the CPU (blocks)", head, "-" * len(head)]
-    for r in runs:
-        ref = by_name.get(r.get("vs") or "")
-        if ref is None:
-            vs, tput, ttft = "(baseline)", "", ""
-        else:
-            vs = ref["run"][:20]
-            tput = _ratio(r["throughput_rps"], ref["throughput_rps"])
-            ttft = _ratio(ref["ttft_s"]["p50"], r["ttft_s"]["p50"])
-        row = f"{r['run'][:20]:20} {vs:>20} {tput:>6} {ttft:>6} {r['cpu_prefix_hit_rate']:15.2f}"
-        tiers = r.get("lower_tiers") or {}
-        for name in names:
-            t = tiers.get(name)
-            if t is None:
-                row += f" {'-':>28} {'-':>10}"
-            else:
-                moved = f"{t['hit_blocks']}/{t['loaded_blocks']}/{t['stored_blocks']}"
-                row += f" {moved:>28} {t['load_busy_s']:10.2f}"
-        row += f" {r.get('chain_lost_blocks', 0):7d}" if tiers else f" {'-':>7}"
-        lines.append(row)
-    notes = [f"  {r['run']}: {r['tiers']}" for r in runs if r.get("tiers")]
-    return "\n".join(lines + notes)
+TIERS = Table(
+    "tiers below the CPU",
+    (
+        Group("", "", (Column("tier", 6, lambda r: r.tier[0], "the tier (disk, remote), below the CPU tier"),)),
+        Group(
+            "blocks",
+            "KV blocks of the run's block size",
+            (
+                Column(
+                    "hit",
+                    9,
+                    _count("hit_blocks"),
+                    "prefix blocks of admitted requests it was the highest tier to hold",
+                ),
+                Column("loaded", 8, _count("loaded_blocks"), "staged from this tier into the CPU tier"),
+                Column("stored", 8, _count("stored_blocks"), "written into this tier from the CPU tier"),
+                Column(
+                    "declined", 9, _count("declined_blocks"), "hits not loaded: dearer than recomputing, or no room"
+                ),
+            ),
+        ),
+        Group(
+            "",
+            "",
+            (
+                Column("read s", 7, lambda r: f"{r.tier[1]['load_busy_s']:.1f}", "seconds its reads took"),
+                Column(
+                    "lost",
+                    7,
+                    lambda r: f"{r.run.get('chain_lost_blocks', 0):d}",
+                    "blocks the CPU tier evicted while no tier below held them: their KV left every tier (per run)",
+                ),
+            ),
+        ),
+    ),
+)
+
+
+def tier_table(runs: list[dict[str, Any]], legend: bool = True) -> str:
+    """One row per run and tier below its CPU tier, numbered as in the other tables."""
+    out = []
+    for row in rows(runs):
+        for name, counters in (row.run.get("lower_tiers") or {}).items():
+            out.append(Row(row.run, row.number, row.ref, row.ref_number, (name, counters)))
+    return TIERS.render(out, legend)

@@ -5,7 +5,9 @@ Formats (``workload.trace_format``, ``tiered-kv trace --format``):
 * ``jsonl``: this package's own layout, one object per line with ``arrival``
   (seconds), ``output_len``, and ``prompt_tokens`` (a list), ``prompt_len``, or
   ``prompt_len`` with ``hash_ids`` and ``hash_block_size`` (prefix hashes);
-  optional ``id``.  Lines may come in any order (they are sorted by arrival).
+  optional ``id`` and ``session`` (the requests of one session are the turns of
+  one conversation, in arrival order).  Lines may come in any order (they are
+  sorted by arrival).
 * ``mooncake``: Mooncake's JSONL (FAST'25 traces): ``timestamp`` (milliseconds),
   ``input_length``, ``output_length``, ``hash_ids`` (one chained hash per 512
   input tokens, the last for a partial block).  It has no session ids: requests
@@ -24,8 +26,11 @@ Formats (``workload.trace_format``, ``tiered-kv trace --format``):
   one), conversations start ``1 / rate`` seconds apart and a follow-up arrives
   :data:`SHAREGPT_THINK_S` after the turn before it.
 
-The logs (``mooncake``, ``azure``, ``burstgpt``) are in time order; a timestamp
-that goes backwards means a damaged or merged file and is refused.  A row that
+``docs/traces.md`` shows every format's columns with an example file.  A file
+saved by a spreadsheet (a UTF-8 byte-order mark, CRLF line ends) reads as any
+other.  The logs (``mooncake``, ``azure``, ``burstgpt``) are in time order; a
+timestamp that goes backwards means a damaged or merged file and is refused,
+naming both lines, both timestamps as written and how far back it goes.  A row that
 cannot be read is an error naming the file, the line, the problem and the
 expected columns.  A row that is well formed but cannot be replayed (zero output
 tokens, as BurstGPT's failed requests; zero input tokens; an empty cell) is
@@ -53,11 +58,19 @@ MOONCAKE_BLOCK = 512  # tokens per hash id in Mooncake's traces (its README)
 SHAREGPT_BYTES_PER_TOKEN = 4  # the usual rule of thumb for English BPE text
 SHAREGPT_THINK_S = 10.0
 
-_JSONL_KEYS = ("arrival", "prompt_tokens", "prompt_len", "output_len", "id", "hash_ids", "hash_block_size")
+_JSONL_KEYS = ("arrival", "prompt_tokens", "prompt_len", "output_len", "id", "session", "hash_ids", "hash_block_size")
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _BURST_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens", "Log Type")
 _BURST_REQUIRED = ("Timestamp", "Request tokens", "Response tokens")
+#: How each format says which conversation a request is a turn of (the sessions of ``workload.think_s``).
+CONVERSATIONS = {
+    "jsonl": "by its 'session' key",
+    "mooncake": "by its first two hash ids (the format has no session ids)",
+    "azure": "nowhere (the format has no sessions)",
+    "burstgpt": "by its 'Session ID' column (later releases only)",
+    "sharegpt": "by the conversation it is a turn of",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +211,7 @@ def _json_lines(text: str, where: _Where, expected: tuple[str, ...]) -> Iterator
 def _read_jsonl(path: Path, text: str) -> Trace:
     where = _Where(path)
     trace = Trace(path, "jsonl", [])
+    sessions: dict[int, Hashable] = {}  # line -> its session, where given
     for lineno, row in _json_lines(text, where, _JSONL_KEYS):
         w = where(lineno)
         if "arrival" not in row or "output_len" not in row:
@@ -228,41 +242,77 @@ def _read_jsonl(path: Path, text: str) -> Trace:
         rid = row.get("id", lineno)
         if isinstance(rid, bool) or not isinstance(rid, int | str):
             raise ConfigError(f"{w}: 'id' must be a string or an integer, got {describe(rid)}")
+        session = row.get("session")
+        if "session" in row and (isinstance(session, bool) or not isinstance(session, int | str)):
+            raise ConfigError(f"{w}: 'session' must be a string or an integer, got {describe(session)}")
         trace.rows.append(TraceRow(lineno, arrival, n_prompt, n_out, tokens, rid, hashes, block))
+        if session is not None:
+            sessions[lineno] = session
     seen: dict[Hashable, int] = {}
     for r in trace.rows:
         if r.id in seen:
             raise ConfigError(f"{where(r.line)}: 'id' {r.id!r} was already used on line {seen[r.id]}")
         seen[r.id] = r.line
+    if sessions:
+        trace.rows = _number_sessions(trace.rows, sessions)
     return trace
 
 
+def _number_sessions(rows: list[TraceRow], sessions: dict[int, Hashable]) -> list[TraceRow]:
+    """Rows with ``conversation`` and ``turn`` set from their session (line -> session), turns in arrival order.
+
+    Conversations are numbered in the order of their first turn.
+    """
+    convs: dict[Hashable, int] = {}
+    turns: dict[int, int] = {}
+    out = list(rows)
+    for k in sorted(range(len(rows)), key=lambda k: (rows[k].arrival, rows[k].line)):
+        r = rows[k]
+        if r.line not in sessions:
+            continue
+        conv = convs.setdefault(sessions[r.line], len(convs))
+        turn = turns.get(conv, 0)
+        turns[conv] = turn + 1
+        out[k] = replace(r, conversation=conv, turn=turn)
+    return out
+
+
 class _Clock:
-    """Arrival times of a log: seconds since its first row; a step backwards is refused."""
+    """Arrival times of a log: seconds since its first row; a step backwards is refused.
 
-    __slots__ = ("first", "last", "last_line")
+    ``per_second`` is how many units of the timestamps make a second (Mooncake's are milliseconds).
+    The refusal shows both timestamps as the file wrote them, both lines, and the step back in
+    the file's unit: two epoch times a fraction of a second apart look alike in any short
+    rendering of a float.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("first", "last", "last_line", "last_text", "per_second", "unit_name")
+
+    def __init__(self, per_second: float = 1.0, unit_name: str = "s") -> None:
         self.first: float | None = None
         self.last = -math.inf
         self.last_line = 0
+        self.last_text = ""
+        self.per_second = per_second
+        self.unit_name = unit_name
 
-    def at(self, t: float, line: int, where: str, key: str) -> float:
+    def at(self, t: float, line: int, where: str, key: str, text: str) -> float:
+        """Seconds of ``t`` (written ``text`` on ``line``) since the first row."""
         if t < self.last:
             raise ConfigError(
-                f"{where}: '{key}' goes backwards ({t:g} after {self.last:g} on line {self.last_line}); "
-                "a log must be in time order"
+                f"{where}: '{key}' goes backwards ({text} is {round(self.last - t, 7):.10g} {self.unit_name} before "
+                f"{self.last_text} on line {self.last_line}); a log must be in time order"
             )
         if self.first is None:
             self.first = t
-        self.last, self.last_line = t, line
-        return t - self.first
+        self.last, self.last_line, self.last_text = t, line, text
+        return (t - self.first) / self.per_second
 
 
 def _read_mooncake(path: Path, text: str) -> Trace:
     where = _Where(path)
     trace = Trace(path, "mooncake", [])
-    clock = _Clock()
+    clock = _Clock(1e3, "ms")
     convs: dict[tuple[int, ...], int] = {}
     turns: dict[int, int] = {}
     for lineno, row in _json_lines(text, where, _MOONCAKE_KEYS):
@@ -273,7 +323,7 @@ def _read_mooncake(path: Path, text: str) -> Trace:
         t_ms = _seconds(row["timestamp"], w, "timestamp", "milliseconds")
         n_in = _count(row["input_length"], w, "input_length", low=0)
         n_out = _count(row["output_length"], w, "output_length", low=0)
-        arrival = clock.at(t_ms, lineno, w, "timestamp") / 1e3
+        arrival = clock.at(t_ms, lineno, w, "timestamp", json.dumps(row["timestamp"]))
         if n_in == 0:
             trace.skip("with 0 input tokens", lineno)
             continue
@@ -336,8 +386,17 @@ def _cell_count(v: str, where: str, col: str, columns: tuple[str, ...]) -> int:
     return int(n)
 
 
+# Azure's times are counted from here, not from 1970: a float of seconds since 1970 carries only
+# about 0.24 us at today's dates, coarser than the 2023 traces' 100 ns ticks.
+_AZURE_EPOCH = datetime(2020, 1, 1, tzinfo=timezone.utc)
+
+
 def _azure_time(v: str, where: str) -> float:
-    """Seconds since the epoch of ``2023-11-16 18:15:46.6805900`` (7 digits) or ``...009930+00:00``."""
+    """Seconds since 2020-01-01 UTC of ``2023-11-16 18:15:46.6805900`` (7 digits) or ``...009930+00:00``.
+
+    Whole seconds and the fraction are added last, so a 100 ns tick survives (about 15 ns of
+    rounding at these magnitudes).
+    """
     s = v.strip()
     zone = timezone.utc
     if len(s) > 6 and s[-6] in "+-" and s[-3] == ":":  # an offset; the 2024 traces say +00:00
@@ -354,7 +413,7 @@ def _azure_time(v: str, where: str) -> float:
         t = datetime.strptime(s, "%Y-%m-%d %H:%M:%S").replace(tzinfo=zone)
     except ValueError:
         raise ConfigError(f"{where}: 'TIMESTAMP' must look like 2023-11-16 18:15:46.6805900, got {v!r}") from None
-    return t.timestamp() + frac
+    return (t - _AZURE_EPOCH).total_seconds() + frac
 
 
 def _read_azure(path: Path, text: str) -> Trace:
@@ -367,7 +426,7 @@ def _read_azure(path: Path, text: str) -> Trace:
         if empty:
             trace.skip(f"with an empty {empty[0]}", lineno)
             continue
-        arrival = clock.at(_azure_time(row["TIMESTAMP"], w), lineno, w, "TIMESTAMP")
+        arrival = clock.at(_azure_time(row["TIMESTAMP"], w), lineno, w, "TIMESTAMP", row["TIMESTAMP"])
         n_in = _cell_count(row["ContextTokens"], w, "ContextTokens", _AZURE_COLUMNS)
         n_out = _cell_count(row["GeneratedTokens"], w, "GeneratedTokens", _AZURE_COLUMNS)
         if n_in == 0:
@@ -397,7 +456,7 @@ def _read_burstgpt(path: Path, text: str) -> Trace:
             raise ConfigError(f"{w}: 'Timestamp' must be a number of seconds, got {row['Timestamp']!r}") from None
         if not math.isfinite(t) or t < 0:
             raise ConfigError(f"{w}: 'Timestamp' must be a finite number of seconds >= 0, got {row['Timestamp']!r}")
-        arrival = clock.at(t, lineno, w, "Timestamp")
+        arrival = clock.at(t, lineno, w, "Timestamp", row["Timestamp"])
         n_in = _cell_count(row["Request tokens"], w, "Request tokens", _BURST_COLUMNS)
         n_out = _cell_count(row["Response tokens"], w, "Response tokens", _BURST_COLUMNS)
         if n_out == 0:  # BurstGPT's failed requests
@@ -477,7 +536,9 @@ def read(path: Path, fmt: str = "jsonl", rate: float = 1.0) -> Trace:
     """
     if fmt not in FORMATS:
         raise ConfigError(f"workload.trace '{path}': unknown trace format {fmt!r}; expected one of {list(FORMATS)}")
-    text = read_text(path, "workload.trace")
+    # A spreadsheet saves UTF-8 with a byte-order mark; it is no part of the first column's name.
+    # (CRLF line ends need nothing: the text is read with universal newlines.)
+    text = read_text(path, "workload.trace").removeprefix("\ufeff")
     if fmt == "jsonl":
         trace = _read_jsonl(path, text)
     elif fmt == "mooncake":
@@ -495,10 +556,12 @@ def read(path: Path, fmt: str = "jsonl", rate: float = 1.0) -> Trace:
 
 
 def to_jsonl(rows: list[TraceRow]) -> str:
-    """Rows in this package's ``jsonl`` layout (hashes and ids kept, so a conversion loses no sharing)."""
+    """Rows in this package's ``jsonl`` layout (hashes, ids and conversations kept: a conversion loses no sharing)."""
     out = []
     for r in rows:
         d: dict[str, Any] = {"id": r.id, "arrival": round(r.arrival, 6), "output_len": r.output_len}
+        if r.conversation >= 0:
+            d["session"] = r.conversation
         if r.prompt_tokens is not None:
             d["prompt_tokens"] = r.prompt_tokens
         else:

@@ -82,6 +82,19 @@ def hit_rates(requests: Iterable[tuple[int, list[tuple[Hashable, int]]]], capaci
     return out
 
 
+def mean_rate(arrivals: Sequence[float]) -> float:
+    """Requests per second over a trace's span: (requests - 1) / (last arrival - first arrival); 0 without a span.
+
+    The count between the first arrival and the last is one less than the
+    requests (the first opens the span), so ``n`` evenly spaced requests ``1 / r``
+    apart have rate exactly ``r``.
+    """
+    if len(arrivals) < 2:
+        return 0.0
+    span = max(arrivals) - min(arrivals)
+    return (len(arrivals) - 1) / span if span > 0 else 0.0
+
+
 def _pct(xs: list[int], q: float) -> float:
     if not xs:
         return 0.0
@@ -119,7 +132,7 @@ def summary(rows: Sequence[Any], capacities: Sequence[float] = (*CURVE_TOKENS, m
         "requests": len(rows),
         "conversations": len(convs) + sum(1 for r in rows if r.conversation < 0),
         "duration_s": span,
-        "rate_rps": (len(rows) - 1) / span if span > 0 else 0.0,
+        "rate_rps": mean_rate(arrivals),
         "input_tokens": _lengths([r.prompt_len for r in rows]),
         "output_tokens": _lengths([r.output_len for r in rows]),
         "prompt_tokens_total": sum(r.prompt_len for r in rows),

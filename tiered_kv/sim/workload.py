@@ -1,20 +1,27 @@
 """Synthetic and replayed workloads.
 
-* Arrivals: Poisson, bursty (bursts arriving as a Poisson process) or fixed spacing.
+* Arrivals: Poisson, bursty (bursts arriving as a Poisson process) or fixed spacing;
+  ``arrival.rate: .inf`` makes every request arrive at 0 (``vllm bench serve``'s default
+  ``--request-rate inf``).
 * Prompt and output lengths: fixed, uniform or lognormal (clipped).
 * Shared system prompts picked with Zipf popularity.
 * Multi-turn conversations: a follow-up resends the whole previous turn
-  (prompt + answer) plus a new user message, arriving a think time after
-  the previous turn's arrival.
+  (prompt + answer) plus a new user message; it takes the next arrival time
+  of the process, or, with ``workload.think_s``, is sent a think time after the
+  previous turn's answer (:mod:`tiered_kv.sim.client`).
 * Shared system prompts recycled at constant rates, stage after stage
   (``workload.shared_prefix``: a workload kind of its own, in
   :mod:`tiered_kv.sim.shared_prefix`).
 * Replay of a trace in one of the public formats of
   :mod:`tiered_kv.sim.trace_formats` (``workload.trace_format``): this
   package's JSONL, Mooncake, Azure, BurstGPT, ShareGPT; optionally sampled by
-  time window or every k-th conversation (``workload.trace_sample``).  A
-  request's ``id`` (the trace's, or its line number) is carried by the
-  per-request output, so its rows join back to the trace.
+  time window or every k-th conversation (``workload.trace_sample``), then
+  replayed faster or slower (``workload.trace_scale``: a speed-up, or a target
+  mean rate).  A request's ``id`` (the trace's, or its line number) is carried
+  by the per-request output, so its rows join back to the trace.
+
+How the requests are *sent* (an open loop, a concurrency cap, sessions) is the
+client's business: :mod:`tiered_kv.sim.client`.
 
 Token ids are built from ranges: each piece of text (a system prompt, a user
 message, an answer) gets a disjoint id range, so prefixes are shared exactly
@@ -27,13 +34,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim import shared_prefix, trace_formats
 from tiered_kv.sim.trace_formats import TraceRow
+from tiered_kv.sim.trace_stats import mean_rate
 
 
 @dataclass(slots=True)
@@ -56,6 +64,7 @@ class SimRequest:
     hashes: tuple[int, ...] | None = None
     hash_block_size: int = 0
     hashed_len: int = 0
+    queued: float = 0.0  # seconds the client held it, ready, before sending it (a concurrency cap)
 
     @property
     def prompt_len(self) -> int:
@@ -98,6 +107,8 @@ def _arrivals(spec: dict[str, Any], n: int, rng: random.Random) -> list[float]:
     rate = spec["rate"]
     out: list[float] = []
     t = 0.0
+    if math.isinf(rate):  # every request at once, and no random draw (the lengths stay those of any rate)
+        return [0.0] * n
     if spec["process"] == "fixed":
         return [i / rate for i in range(n)]
     if spec["process"] == "poisson":
@@ -112,8 +123,8 @@ def _arrivals(spec: dict[str, Any], n: int, rng: random.Random) -> list[float]:
     return out
 
 
-def trace_rows(spec: dict[str, Any]) -> list[TraceRow]:
-    """The rows of a validated ``workload`` section's trace, sampled as it says (``trace_sample``)."""
+def _sampled_rows(spec: dict[str, Any]) -> list[TraceRow]:
+    """The rows of a validated ``workload`` section's trace, sampled as ``trace_sample`` says, at their own times."""
     trace = trace_formats.read(Path(spec["trace"]), spec["trace_format"], spec["arrival"]["rate"])
     smp = spec["trace_sample"]
     window = None if smp["window_s"] is None else (float(smp["window_s"][0]), float(smp["window_s"][1]))
@@ -123,6 +134,109 @@ def trace_rows(spec: dict[str, Any]) -> list[TraceRow]:
     if not rows:
         raise ConfigError(f"workload.trace_sample: keeps no request of '{trace.path}' ({len(trace.rows)} requests)")
     return rows
+
+
+def replay_speedup(spec: dict[str, Any], rows: list[TraceRow]) -> float:
+    """What ``workload.trace_scale`` divides every arrival time of the sampled ``rows`` by (inf: all at 0).
+
+    ``speedup: x`` is ``x``; ``rate: r`` is what makes the mean rate, (requests - 1)
+    / (last arrival - first arrival), ``r``; neither is 1 (the trace's own times).
+    """
+    scale = spec["trace_scale"]
+    speedup: float | None = scale["speedup"]
+    rate: float | None = scale["rate"]
+    if speedup is not None:
+        return speedup
+    if rate is None or math.isinf(rate):
+        return 1.0 if rate is None else math.inf
+    own = mean_rate([r.arrival for r in rows])
+    if own == 0.0:
+        raise ConfigError(
+            f"workload.trace_scale.rate: the {len(rows)} replayed request(s) of '{spec['trace']}' arrive at one "
+            "time, so they have no rate to scale; give arrival times that differ, or trace_scale.speedup"
+        )
+    return rate / own
+
+
+def trace_rows(spec: dict[str, Any]) -> list[TraceRow]:
+    """The rows of a validated ``workload`` section's trace: sampled (``trace_sample``), then scaled (``trace_scale``).
+
+    With ``think_s``, the rows must hold a conversation of more than one turn
+    (else there is no session to time).
+    """
+    rows = _sampled_rows(spec)
+    x = replay_speedup(spec, rows)
+    if x != 1.0:
+        rows = [replace(r, arrival=r.arrival / x) for r in rows]
+    if spec["think_s"] is not None:
+        turns: dict[int, int] = {}
+        for r in rows:
+            if r.conversation >= 0:
+                turns[r.conversation] = turns.get(r.conversation, 0) + 1
+        if not any(n > 1 for n in turns.values()):
+            raise ConfigError(
+                f"workload.think_s: the replayed requests of '{spec['trace']}' hold no conversation of more "
+                f"than one turn ({spec['trace_format']} traces say a request's conversation "
+                f"{trace_formats.CONVERSATIONS[spec['trace_format']]}), so there is no next turn to time; "
+                "leave think_s out"
+            )
+    return rows
+
+
+def scale_text(spec: dict[str, Any]) -> str:
+    """How the arrivals are timed when that is not the workload's own clock (for the run's first line), or ``""``."""
+    if spec["trace"] is None:
+        return "every request ready at 0 (arrival.rate: .inf)" if math.isinf(spec["arrival"]["rate"]) else ""
+    scale = spec["trace_scale"]
+    if scale["speedup"] is None and scale["rate"] is None:
+        return ""
+    rows = _sampled_rows(spec)
+    x = replay_speedup(spec, rows)
+    if math.isinf(x):
+        return "every trace request ready at 0 (trace_scale: .inf)"
+    own = mean_rate([r.arrival for r in rows])
+    how = f"{x:.4g}x faster" if x >= 1.0 else f"{1 / x:.4g}x slower"
+    return f"trace replayed {how} (mean {own:.4g} -> {own * x:.4g} requests/s)"
+
+
+def check_load(spec: dict[str, Any]) -> None:
+    """Refuse ``workload`` settings that contradict each other (each key alone was checked by the schema).
+
+    Raises:
+        ConfigError: naming the key.
+    """
+    scale = spec["trace_scale"]
+    times = {
+        "arrival.rate": spec["arrival"]["rate"],
+        "trace_scale.speedup": scale["speedup"],
+        "trace_scale.rate": scale["rate"],
+    }
+    at_once = [k for k, v in times.items() if v is not None and math.isinf(v)]
+    if at_once and spec["concurrency"] is None:
+        # Every request at 0 with nothing to hold them back is one burst, not a rate: a mistake, unless a
+        # concurrency cap makes it the closed loop of vllm bench serve's default --request-rate inf.
+        raise ConfigError(
+            f"workload.{at_once[0]}: must be a finite number, got inf (.inf, every request ready at 0, "
+            "is a load only with workload.concurrency: N, a closed loop of N requests in flight)"
+        )
+    given = [k for k in ("speedup", "rate") if scale[k] is not None]
+    if given and spec["trace"] is None:
+        raise ConfigError(
+            f"workload.trace_scale.{given[0]}: scales a replayed trace's times, but workload.trace is not set "
+            "(a synthetic workload's load is workload.arrival.rate)"
+        )
+    if len(given) == 2:
+        raise ConfigError(
+            "workload.trace_scale: give speedup (x times faster) or rate (a mean rate), not both: "
+            "either one alone sets the time scale"
+        )
+    mt = spec["multi_turn"]
+    if spec["think_s"] is not None and spec["trace"] is None and (mt["prob"] == 0 or mt["max_turns"] < 2):
+        raise ConfigError(
+            "workload.think_s: times a conversation's next turn, but this synthetic workload has no next turns "
+            f"(workload.multi_turn.prob: {mt['prob']:g}, max_turns: {mt['max_turns']}); set multi_turn.prob > 0 "
+            "and max_turns >= 2, or leave think_s out"
+        )
 
 
 def generate(spec: dict[str, Any], seed: int) -> list[SimRequest]:

@@ -176,8 +176,12 @@ class TierChain:
 
     # ------------------------------------------------------------ lookup
     def lookup(self, keys: Sequence[Key]) -> ChainLookup:
-        """Per block of the longest prefix the chain holds, the highest tier holding it (ready)."""
-        check_keys("keys", keys)
+        """Per block of the longest prefix the chain holds, the highest tier holding it (ready).
+
+        ``keys`` may be any collection, as in vLLM 0.33's protocol; its
+        iteration order is the prefix order.
+        """
+        keys = check_keys("keys", keys)
         owner = [-1] * len(keys)
         for t, store in enumerate(self.stores):
             ask = [i for i, o in enumerate(owner) if o < 0]
@@ -235,7 +239,7 @@ class TierChain:
         return self._reserve(keys, src, dst)
 
     def _reserve(self, keys: Sequence[Key], src: int, dst: int) -> Move | None:
-        check_keys("keys", keys)
+        keys = check_keys("keys", keys)
         source, target = self.stores[src], self.stores[dst]
         for i, key in enumerate(keys):
             if not source.is_ready(key):
@@ -260,7 +264,7 @@ class TierChain:
             InvalidArgumentError: ``landed`` names a key that is not in the move.  Nothing changes.
         """
         checks.instance("move", move, Move)
-        check_keys("landed", landed)
+        landed = check_keys("landed", landed)
         if self._open.get(move.move_id) != move:
             raise BlockStateError(f"move {move.move_id} is not open in this chain")
         ok = set(landed)
@@ -306,7 +310,7 @@ class TierChain:
     def after_store(self, tier: int, keys: Sequence[Key]) -> list[Key]:
         """Of ``keys`` just stored in ``tier``, those a write-through tier should demote now."""
         tier = self._tier("tier", tier)
-        check_keys("keys", keys)
+        keys = check_keys("keys", keys)
         if self.policies[tier].demote != "write_through":
             return []
         store, below = self.stores[tier], self.stores[tier + 1]
@@ -334,7 +338,7 @@ class TierChain:
     def only_copies(self, tier: int, keys: Sequence[Key]) -> list[Key]:
         """Of ``keys`` (say, just evicted from ``tier``), those no other tier holds: the chain lost them."""
         tier = self._tier("tier", tier)
-        check_keys("keys", keys)
+        keys = check_keys("keys", keys)
         others = [s for t, s in enumerate(self.stores) if t != tier]
         return [k for k in keys if not any(s.contains(k) for s in others)]
 

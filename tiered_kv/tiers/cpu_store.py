@@ -85,8 +85,10 @@ class CPUStore(BlockStore):
     (copies in flight).  A call without a request is a use of no request.
 
     Args:
-        num_blocks: Slot ids in the medium, including the reserved id 0 (>= 2);
-            the store holds ``num_blocks - 1`` blocks.
+        num_blocks: Slot ids in the medium, including the reserved id 0 (>= 1);
+            the store holds ``num_blocks - 1`` blocks (none for 1, as vLLM's
+            manager of zero chunks: every ``prepare_store`` that needs a slot
+            returns ``None``).
         policy: A cache policy name (see :mod:`tiered_kv.tiers.policies.factory`).
         enable_events: Queue :class:`~tiered_kv.tiers.store.StoreEvent` for
             ``take_events`` (off by default, as in vLLM, so nobody has to drain).
@@ -99,9 +101,12 @@ class CPUStore(BlockStore):
     def __init__(
         self, num_blocks: int, policy: str = "lru", enable_events: bool = False, policy_module_path: str | None = None
     ) -> None:
-        if num_blocks.__class__ is not int or num_blocks < 2:
+        # 1 is a store that holds nothing (slot 0 is reserved), as vLLM's manager of 0 chunks is: every
+        # store is refused for room and its gauges read 0 (vLLM's test_cpu_manager_reports_cache_usage_gauge).
+        if num_blocks.__class__ is not int or num_blocks < 1:
             raise InvalidArgumentError(
-                f"num_blocks must be an int >= 2 (slot 0 is reserved), got {checks.describe(num_blocks)}"
+                "num_blocks must be an int >= 1 (slot 0 is reserved: 1 holds nothing), "
+                f"got {checks.describe(num_blocks)}"
             )
         checks.flag("enable_events", enable_events)
         self._num_blocks = num_blocks
@@ -512,7 +517,7 @@ class CPUStore(BlockStore):
 
     def get_stats(self) -> StoreUsage:
         """The usage gauges now and the allocation sizes since the last call (which it clears)."""
-        cap = self._capacity
+        cap = self._capacity or 1  # a store of no capacity holds nothing: its gauges read 0, as vLLM's do
         usage = (len(self._pending) + len(self._pins)) / cap
         write = len(self._pending) / cap
         sizes = tuple(self._allocation_sizes)

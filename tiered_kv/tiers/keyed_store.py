@@ -89,7 +89,7 @@ class KeyedStore(CPUStore):
 
     # ---------------------------------------------------------- the verbs
     def prepare_store(self, keys: Sequence[Key]) -> PrepareStoreOutput | None:
-        check_keys("keys", keys)
+        keys = check_keys("keys", keys)
         for i, key in enumerate(keys):
             if not encodable(key):
                 raise InvalidArgumentError(
@@ -108,7 +108,7 @@ class KeyedStore(CPUStore):
         return out
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
-        check_keys("keys", keys)
+        keys = check_keys("keys", keys)
         checks.flag("success", success)
         dropped = [] if success else [key for key in keys if self.contains(key) and not self.is_ready(key)]
         super().complete_store(keys, success)
@@ -117,6 +117,7 @@ class KeyedStore(CPUStore):
             self._on_store_failed(dropped)
 
     def remove(self, keys: Sequence[Key]) -> None:
+        keys = check_keys("keys", keys)
         super().remove(keys)
         self._unmap(keys)
         if keys:
@@ -141,7 +142,7 @@ class KeyedStore(CPUStore):
         Returns:
             The keys dropped now.
         """
-        check_keys("keys", keys)
+        keys = check_keys("keys", keys)
         now = []
         for key in keys:
             if self.is_ready(key):

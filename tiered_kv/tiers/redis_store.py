@@ -171,7 +171,7 @@ class RedisStore(KeyedStore):
         return LookupResult.MISS
 
     def lookup_prefix(self, keys: Sequence[Key]) -> int:
-        check_keys("keys", keys)
+        keys = check_keys("keys", keys)
         self._queries += len(keys)
         leading = []
         for key in keys:  # a pending key ends the prefix without asking the server
@@ -193,7 +193,7 @@ class RedisStore(KeyedStore):
         leading run: a chain of tiers uses it to find the blocks that no tier
         above holds.  A server that is down answers all False.
         """
-        check_keys("keys", keys)
+        keys = check_keys("keys", keys)
         ask = [k for k in keys if encodable(k) and not (self.contains(k) and not self.is_ready(k))]
         answer = dict(zip(ask, self._refresh(ask), strict=True))
         out = [answer.get(k, False) for k in keys]

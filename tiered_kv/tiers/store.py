@@ -191,7 +191,7 @@ class RequestContext:
         """
         checks.count("first_end", first_end, 1)
         checks.count("step", step, 1)
-        check_keys("keys", keys)
+        keys = check_keys("keys", keys)
         positions = self._positions
         for i, key in enumerate(keys):
             end = first_end + i * step
@@ -462,8 +462,8 @@ class BlockStore(abc.ABC):
 
     @property
     def usage(self) -> float:
-        """``num_used / capacity``: occupied slots, evictable ones included."""
-        return self.num_used / self.capacity
+        """``num_used / capacity``: occupied slots, evictable ones included (0 for a store of no capacity)."""
+        return self.num_used / self.capacity if self.capacity else 0.0
 
     @property
     @abc.abstractmethod

@@ -7,7 +7,11 @@ vLLM 0.33 loads offloading code named in ``--kv-transfer-config``, with no fork:
   under vLLM's own CPU tier (``TieringOffloadingSpec``'s ``"secondary_tiers"``);
 * :class:`~tiered_kv.integrations.vllm.spec.TieredKVOffloadingSpec`: a whole
   offloading spec (``spec_name`` + ``spec_module_path``) whose scheduler-side
-  manager is tiered_kv's CPU store, optionally with load pricing.
+  manager is tiered_kv's CPU store, optionally with load pricing;
+* :class:`~tiered_kv.integrations.vllm.scheduler.TieredKVScheduler`
+  (``--scheduler-cls``) and :class:`~tiered_kv.integrations.vllm.connector.TieredKVConnector`
+  (``kv_connector`` + ``kv_connector_module_path``): tiered_kv's victim policies
+  and swap-or-recompute per victim inside vLLM's scheduler.
 
 Names resolve lazily, so ``module_path: "tiered_kv.integrations.vllm"`` works
 for each of them, and importing this package does not import vLLM until a
@@ -25,6 +29,10 @@ _WHERE = {
     "StoreTier": "tiered_kv.integrations.vllm.store_tier",
     "TieredKVOffloadingSpec": "tiered_kv.integrations.vllm.spec",
     "TieredKVOffloadingManager": "tiered_kv.integrations.vllm.manager",
+    "TieredKVScheduler": "tiered_kv.integrations.vllm.scheduler",
+    "TieredKVAsyncScheduler": "tiered_kv.integrations.vllm.scheduler",
+    "TieredKVConnector": "tiered_kv.integrations.vllm.connector",
+    "PreemptionCounters": "tiered_kv.integrations.vllm.preemption_stats",
 }
 
 __all__ = sorted(_WHERE)

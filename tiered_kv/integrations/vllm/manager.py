@@ -149,6 +149,7 @@ class TieredKVOffloadingManager(OffloadingManager):
         self.pricing = pricing
         self._info = info
         self._contexts: dict[int, tuple[ReqContext, RequestContext]] = {}
+        self._hidden: set[OffloadKey] = set()
 
     @property
     def lock(self) -> AbstractContextManager[Any]:
@@ -185,8 +186,29 @@ class TieredKVOffloadingManager(OffloadingManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.store.on_schedule_end()
 
+    # ------------------------------------------------------------ stores at preemption
+    def hide(self, keys: Iterable[OffloadKey]) -> None:
+        """Answer ``MISS`` for ``keys`` until :meth:`unhide`: a store at preemption is writing them.
+
+        vLLM's connector defers a request whose hit is still being stored (``HIT_PENDING``)
+        until the store is reported; a victim scheduled again while its own store at
+        preemption is in flight (or after it failed) recomputes from the first such key
+        instead, and nothing waits on a store that may never land.
+        """
+        self._hidden.update(keys)
+
+    def unhide(self, keys: Iterable[OffloadKey]) -> None:
+        self._hidden.difference_update(keys)
+
+    def hidden(self) -> frozenset[OffloadKey]:
+        """Keys that answer ``MISS`` while their store at preemption is in flight."""
+        return frozenset(self._hidden)
+
     # ------------------------------------------------------------ the protocol
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._hidden and key in self._hidden:
+            self.store.lookup(key)  # counted, as every lookup is
+            return LookupResult.MISS
         found = _LOOKUP.get(self.store.lookup(key), LookupResult.MISS)
         if found is LookupResult.HIT and self.pricing is not None:
             if not self.pricing.worth_loading(self.store, key, req_context):
@@ -223,6 +245,22 @@ class TieredKVOffloadingManager(OffloadingManager):
             )
 
     def reset_cache(self) -> None:
+        """Forget every chunk, as vLLM's CPU manager does, even with copies in flight.
+
+        vLLM's connector resets its manager with jobs in flight: it marks them stale
+        (their reports are ignored, never completed here) and flushes them to the
+        workers before any new store is submitted.  So the store's in-flight stores
+        are dropped and its load pins released before the store is cleared (it
+        refuses to clear over copies it still counts).
+        """
+        entries = self.store.entries()
+        pending = [e.key for e in entries if not e.ready]
+        if pending:
+            self.store.complete_store(pending, False)
+        for e in entries:
+            for _ in range(e.ref_cnt if e.ready else 0):
+                self.store.complete_load([e.key])
+        self._hidden.clear()
         self.store.reset_cache()
 
     def get_stats(self) -> OffloadingConnectorStats | None:

@@ -20,17 +20,28 @@ Extra keys (besides vLLM's ``cpu_bytes_to_use``, ``eviction_policy``,
   ``block_size`` (tokens per chunk; default: vLLM's), and ``link``
   (``{"bytes_per_s": ..., "block_latency_s": ...}``: a medium the chunk crosses
   before its GPU copy, as tiered_kv's own tiers price theirs).
+* ``preemption``: how tiered_kv's scheduler class preempts
+  (:func:`~tiered_kv.integrations.vllm.config.preemption_config`); checked
+  here too, so a bad one fails when vLLM builds the spec.
+
+Any other top-level key is refused, with the known ones (vLLM's included):
+vLLM itself ignores a key it does not read, so a misspelling would otherwise
+give plain vLLM behaviour without a word.  The spec also declares the
+preemption metrics (:mod:`~tiered_kv.integrations.vllm.preemption_stats`),
+which vLLM's frontend then exports beside its own.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm.v1.kv_offload.base import OffloadingManager
+from vllm.v1.kv_offload.base import OffloadingManager, OffloadingMetricMetadata
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.integrations.vllm.config import TIERED_KV_KEYS, VLLM_OFFLOADING_KEYS, check_keys, preemption_config
 from tiered_kv.integrations.vllm.manager import LoadPricing, TieredKVOffloadingManager
+from tiered_kv.integrations.vllm.preemption_stats import METRICS
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.tiers.link import TierLink
 
@@ -47,13 +58,24 @@ class TieredKVOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading with tiered_kv's CPU store as the scheduler-side manager.
 
     Raises:
-        ConfigError: a ``load_pricing`` object with unknown or bad keys (at construction,
-            before vLLM builds anything).
+        ConfigError: an unknown top-level key, or a ``load_pricing`` or ``preemption``
+            object with unknown or bad keys (at construction, before vLLM builds anything).
     """
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return {**super().build_metric_definitions(extra_config), **METRICS}
+
     def __init__(self, config: Any) -> None:
+        check_keys("kv_connector_extra_config", config.extra_config, VLLM_OFFLOADING_KEYS | TIERED_KV_KEYS)
         super().__init__(config)
         self.pricing = self._pricing(self.extra_config.get("load_pricing"))
+        tokens_per_block = max(1, int(self.tokens_per_block[0]))
+        preemption_config(
+            self.extra_config.get("preemption"),
+            max(1, int(config.worker_kv_bytes_per_block) // tokens_per_block),
+            tokens_per_block,
+        )
 
     def _chunk_tokens(self) -> int:
         return int(self.tokens_per_block[0]) * int(self.blocks_per_chunk)

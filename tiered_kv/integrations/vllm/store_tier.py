@@ -33,6 +33,7 @@ among its successful keys.  The store is touched only on the caller's thread
 from __future__ import annotations
 
 import abc
+import inspect
 import itertools
 import time
 from collections.abc import Iterable
@@ -42,8 +43,9 @@ from typing import Any, ClassVar
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
-from tiered_kv.errors import TieredKVError
+from tiered_kv.errors import ConfigError, TieredKVError
 from tiered_kv.integrations.vllm._vllm import VLLM_VERSION
+from tiered_kv.integrations.vllm.config import VLLM_TIERING_KEYS, check_keys
 from tiered_kv.tiers.chunk_buffer import ChunkBuffer
 from tiered_kv.tiers.io_engine import BlockIOEngine
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
@@ -88,6 +90,36 @@ def default_layout(offloading_spec: Any) -> str:
     return ";".join(parts)
 
 
+_FACTORY_KEYS = ("type", "module_path", "backpressure")  # read by vLLM's SecondaryTierFactory, never passed on
+
+
+def tier_keys(cls: type) -> tuple[list[str], list[str]]:
+    """The keys a tier class takes from its config (its keyword-only arguments, along its MRO) and the required ones."""
+    known: dict[str, bool] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind is p.KEYWORD_ONLY:
+                known.setdefault(p.name, p.default is p.empty)
+    return sorted(known), sorted(k for k, required in known.items() if required)
+
+
+def check_tier_config(cls: type, tier_type: str, config: dict[str, Any]) -> None:
+    """Refuse a tier's unknown or missing keys, naming them and the known ones, before anything is built.
+
+    vLLM's tier factory passes every key of a tier's entry to its constructor, where a
+    misspelled key (``"fsynk"``) would be a bare ``TypeError``.
+    """
+    known, required = tier_keys(cls)
+    where = f"secondary_tiers entry of type {tier_type!r}"
+    check_keys(where, config, [*known, *_FACTORY_KEYS])
+    missing = [k for k in required if k not in config]
+    if missing:
+        raise ConfigError(f"{where}: missing required key(s) {missing}; the known keys are {known}")
+
+
 def default_model(offloading_spec: Any) -> str | None:
     """The model name vLLM's offloading config carries, if any."""
     name = getattr(getattr(getattr(offloading_spec, "config", None), "model", None), "name", None)
@@ -114,6 +146,17 @@ class StoreTier(SecondaryTierManager, abc.ABC):
 
     medium: ClassVar[Medium | None] = Medium.STORAGE
     default_locality: ClassVar[Locality] = Locality.LOCAL
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> StoreTier:
+        # Checked before Python binds the keywords to __init__, which would raise a bare TypeError.
+        standard = ("offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector")
+        tier_type = kwargs.get("tier_type", args[2] if len(args) > 2 else cls.__name__)
+        check_tier_config(cls, str(tier_type), {k: v for k, v in kwargs.items() if k not in standard})
+        spec = kwargs.get("offloading_spec", args[0] if args else None)
+        extra = getattr(spec, "extra_config", None)
+        if isinstance(extra, dict):
+            check_keys("kv_connector_extra_config", extra, VLLM_TIERING_KEYS)
+        return super().__new__(cls)
 
     def __init__(
         self,

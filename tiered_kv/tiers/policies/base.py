@@ -63,7 +63,7 @@ class CachePolicy(abc.ABC):
     name: ClassVar[str]
 
     def __init__(self, capacity: int, is_ready: Predicate) -> None:
-        self.capacity = checks.count("capacity", capacity, 1)
+        self.capacity = checks.count("capacity", capacity)  # 0: a store that holds nothing, as in vLLM
         if not callable(is_ready):
             raise InvalidArgumentError(f"is_ready must be a callable key -> bool, got {checks.describe(is_ready)}")
         self.is_ready = is_ready
