@@ -11,6 +11,16 @@ from tiered_kv.sim.workload import generate
 
 KIB_IN_GIB = 1024 / 2**30
 
+TOY_STEP: dict[str, Any] = {
+    "mfu": 0.5,
+    "prefill_mfu": 0.5,
+    "hbm_efficiency": 0.8,
+    "step_overhead_s": 5e-4,
+    "per_layer_s": 0.0,
+    "per_seq_s": 0.0,
+    "frontend_s": 0.0,
+}
+
 # One layer, one KV head of 64 fp16 values: 256 bytes of KV per token, 1 KiB per 4-token block.
 TINY: dict[str, Any] = {
     "name": "tiny",
@@ -21,14 +31,10 @@ TINY: dict[str, Any] = {
         "peak_bf16_flops": 1.0e12,
         "hbm_bytes_per_s": 1.0e11,
         "link": {"h2d_gbps": 4.096e-6, "per_copy_overhead_s": 0.0},
-        "step_model": {
-            "mfu": 0.5,
-            "prefill_mfu": 0.5,
-            "hbm_efficiency": 0.8,
-            "step_overhead_s": 5e-4,
-            "per_seq_s": 0.0,
-            "frontend_s": 0.0,
-        },
+        # The same step model for both engine eras (a run of either era is priced alike).
+        "step_model": {"vllm-v1": dict(TOY_STEP), "vllm-v0": dict(TOY_STEP)},
+        # A toy: a link of 4 KB/s makes a 1 KiB block's copy take a quarter of a second.
+        "skip_range_checks": True,
     },
     "model": {
         "name": "toy",
@@ -49,7 +55,8 @@ TINY: dict[str, Any] = {
         "activation_reserve_gib": 0,
     },
     "compute": {"fixed_step_s": 1.0},
-    "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 4},
+    # Synchronous scheduling (vLLM before 0.14), so that every step's arrivals are decided on at its end.
+    "scheduler": {"max_num_batched_tokens": 64, "max_num_seqs": 4, "async_scheduling": False},
     "workload": {
         "num_requests": 2,
         "arrival": {"process": "fixed", "rate": 0.5},

@@ -14,11 +14,12 @@ from tiered_kv.errors import ConfigError
 NAMES = [m.NAME for m in COMMANDS]
 
 
-def test_commands_are_the_documented_nine():
+def test_commands_are_the_documented_ten():
     assert NAMES == [
         "simulate",
         "sweep",
         "validate",
+        "calibrate",
         "trace",
         "crossover",
         "fidelity",

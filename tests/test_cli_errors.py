@@ -87,6 +87,12 @@ ROWS = {
         {"v.yaml": "points: [{id: x, metric: tpot_p50_ms, source: s}]\n"},
     ),
     "validate-without-yaml": Row(["validate"], r"needs PyYAML", missing=("yaml",)),
+    "validate-runs-missing": Row(["validate", "--runs", "nope.json"], r"--runs: file 'nope\.json' does not exist"),
+    # calibrate
+    "calibrate-other-format": Row(
+        ["calibrate", "c.yaml"], r"calibrate: 'c\.yaml' is none of the formats calibrate reads", {"c.yaml": "a: 1\n"}
+    ),
+    "calibrate-missing": Row(["calibrate", "nope.json"], r"calibrate: 'nope\.json' does not exist"),
     # simulate: files
     "simulate-missing-config": Row(["simulate", "nope.yaml"], r"config file 'nope.yaml' does not exist"),
     "simulate-config-is-dir": Row(["simulate", "d"], r"config: 'd' is a directory, not a file", {"d": "/"}),
@@ -333,6 +339,7 @@ def test_the_table_covers_every_command():
         "simulate",
         "sweep",
         "validate",
+        "calibrate",
         "trace",
         "crossover",
         "fidelity",

@@ -93,6 +93,7 @@ def busy_config(**changes):
             "hbm_bytes_per_s": 1.0e8,
             "link": {"h2d_gbps": 1.0e-4, "per_copy_overhead_s": 1.0e-4},
             "step_model": TINY["hardware"]["step_model"],
+            "skip_range_checks": True,
         },
         runs=[
             {
@@ -189,7 +190,7 @@ BAD = [
     ),
     ({"memory__cpu_kv_gib": 2048}, r"memory\.cpu_kv_gib: 2048 GiB exceeds memory\.host_memory_gib"),
     ({"model": dict(TINY["model"], num_params=1.0e12)}, r"model: toy needs [\d.]+ GiB of weights per GPU"),
-    ({"model": "gpt-9"}, r"model: no models profile 'gpt-9' \(known: llama2-7b"),
+    ({"model": "gpt-9"}, r"model: no models profile 'gpt-9' \(known: codellama-34b, llama2-7b"),
     ({"workload__prompt_len": {"dist": "fixed", "value": 40}}, r"workload\.prompt_len: the longest request"),
     ({"sweep__rate": [1, -2]}, r"sweep\.rate\[1\]: must be a number > 0"),
     (

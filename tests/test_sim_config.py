@@ -84,8 +84,8 @@ def test_every_shipped_hardware_profile_has_a_link_step_model_and_sources():
 def test_the_step_model_excludes_the_embedding_table_and_counts_the_lm_head_per_sample():
     m = load_model("llama3-8b")
     embed = 128256 * 4096
-    assert m.params_per_gpu == pytest.approx(8.03e9 - 2 * embed)
-    assert m.streamed_weight_bytes_per_gpu == pytest.approx((8.03e9 - embed) * 2)
+    assert m.params_per_gpu == pytest.approx(8030261248 - 2 * embed)
+    assert m.streamed_weight_bytes_per_gpu == pytest.approx((8030261248 - embed) * 2)
     hw = load_hardware("h200")
     cm = ComputeModel(hw, m, mfu=0.5, hbm_efficiency=1.0, step_overhead_s=0.0)
     # a compute-bound prefill of 4096 tokens sampling once: dense FLOPs + one LM-head row + attention

@@ -4,7 +4,7 @@ import itertools
 import json
 
 import pytest
-from simutil import KIB_IN_GIB, TINY, config, run
+from simutil import KIB_IN_GIB, TOY_STEP, config, run
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.compute import ComputeModel
@@ -88,7 +88,7 @@ def test_multi_step_scheduling_holds_an_arrival_until_the_run_of_decodes_ends(tm
     # Three steps per decision.  A's prefill [0, 1] is a decision of its own (it has a prefill chunk);
     # the decode at 1 s starts a run of three (1, 2, 3); B, sent at 1.5 s, waits for the decision at
     # 4 s, where its prefill joins A's decode: B's first token at 5 s, 3.5 s after it was sent.
-    _, sim = run(_trace_config(tmp_path, ROWS, compute__scheduler_steps=3), trace=True)
+    _, sim = run(_trace_config(tmp_path, ROWS, compute__scheduler_steps=3, engine="vllm-0.6.0"), trace=True)
     assert sim.loop.trace == [
         (0.0, "arrival", 0),
         (0.0, "admit", 0),
@@ -114,7 +114,7 @@ def test_a_held_arrival_enters_when_nothing_runs(tmp_path):
     # A finishes inside its run of decodes (two output tokens: prefill, one decode at 1 s that starts a
     # run of four); B, sent at 1.5 s, is held, and when nothing is left to run the decision is at once.
     rows = [{"arrival": 0.0, "prompt_len": 4, "output_len": 2}, {"arrival": 1.5, "prompt_len": 4, "output_len": 2}]
-    res, sim = run(_trace_config(tmp_path, rows, compute__scheduler_steps=4), trace=True)
+    res, sim = run(_trace_config(tmp_path, rows, compute__scheduler_steps=4, engine="vllm-0.6.0"), trace=True)
     assert [e for e in sim.loop.trace if e[1] in ("arrival", "finish")] == [
         (0.0, "arrival", 0),
         (2.0, "finish", 0),
@@ -125,7 +125,11 @@ def test_a_held_arrival_enters_when_nothing_runs(tmp_path):
 
 
 def _step_model_without(key):
-    return {k: v for k, v in TINY["hardware"]["step_model"].items() if k != key}
+    return {"vllm-v1": {k: v for k, v in TOY_STEP.items() if k != key}}
+
+
+def _step_model_with(**changes):
+    return {"vllm-v1": dict(TOY_STEP, **changes)}
 
 
 @pytest.mark.parametrize(
@@ -138,28 +142,28 @@ def _step_model_without(key):
         ({"compute__prefill_mfu": float("nan")}, r"compute\.prefill_mfu: .*nan"),
         ({"compute__frontend_s": float("nan")}, r"compute\.frontend_s: .*nan"),
         (
-            {"hardware__step_model": {**TINY["hardware"]["step_model"], "prefill_mfu": -0.5}},
-            r"hardware\.step_model\.prefill_mfu: must be in \(0, 1\]",
+            {"hardware__step_model": _step_model_with(prefill_mfu=-0.5)},
+            r"hardware\.step_model\.vllm-v1\.prefill_mfu: must be in \(0, 1\]",
         ),
         (
-            {"hardware__step_model": {**TINY["hardware"]["step_model"], "prefill_mfu": float("nan")}},
-            r"hardware\.step_model\.prefill_mfu: .*nan",
+            {"hardware__step_model": _step_model_with(prefill_mfu=float("nan"))},
+            r"hardware\.step_model\.vllm-v1\.prefill_mfu: .*nan",
         ),
         (
-            {"hardware__step_model": {**TINY["hardware"]["step_model"], "frontend_s": -0.01}},
-            r"hardware\.step_model\.frontend_s: must be >= 0",
+            {"hardware__step_model": _step_model_with(frontend_s=-0.01)},
+            r"hardware\.step_model\.vllm-v1\.frontend_s: must be >= 0",
         ),
         (
-            {"hardware__step_model": {**TINY["hardware"]["step_model"], "frontend_s": float("inf")}},
-            r"hardware\.step_model\.frontend_s: .*inf",
+            {"hardware__step_model": _step_model_with(frontend_s=float("inf"))},
+            r"hardware\.step_model\.vllm-v1\.frontend_s: .*inf",
         ),
         (
             {"hardware__step_model": _step_model_without("prefill_mfu")},
-            r"hardware\.step_model\.prefill_mfu: required key is missing$",
+            r"hardware\.step_model\.vllm-v1\.prefill_mfu: required key is missing$",
         ),
         (
             {"hardware__step_model": _step_model_without("frontend_s")},
-            r"hardware\.step_model\.frontend_s: required key is missing$",
+            r"hardware\.step_model\.vllm-v1\.frontend_s: required key is missing$",
         ),
     ],
 )
@@ -173,7 +177,8 @@ def test_a_shipped_profile_prices_the_front_end_into_every_run():
 
     hw = load_hardware("h200")
     cfg = config_from_raw({"hardware": "h200", "model": "llama3-8b"}, "main")
-    assert hw.step.frontend_s > 0 and setup(cfg, 0).compute.frontend_s == hw.step.frontend_s
+    step = hw.step_for("vllm-v1")
+    assert step is not None and step.frontend_s > 0 and setup(cfg, 0).compute.frontend_s == step.frontend_s
     off = config_from_raw({"hardware": "h200", "model": "llama3-8b", "compute": {"frontend_s": 0}}, "x")
     assert setup(off, 0).compute.frontend_s == 0.0  # the config's override wins
 

@@ -1,6 +1,6 @@
 """The ``tiered-kv`` command line: the top layer, one module per command.
 
-Each command module (``simulate``, ``sweep``, ``validate``, ``trace``,
+Each command module (``simulate``, ``sweep``, ``validate``, ``calibrate``, ``trace``,
 ``crossover``, ``fidelity``, ``bench_transfer``, ``gpu_check``) has ``NAME``,
 ``SUMMARY``, ``DESCRIPTION``, ``add_flags`` and ``run`` (see
 :func:`tiered_kv.cli.flags.command`); the ``demo`` registers itself.  The flags
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from tiered_kv import __version__, demo
-from tiered_kv.cli import bench_transfer, crossover, fidelity, gpu_check, simulate, sweep, trace, validate
+from tiered_kv.cli import bench_transfer, calibrate, crossover, fidelity, gpu_check, simulate, sweep, trace, validate
 from tiered_kv.cli.flags import command
 from tiered_kv.cli.outputs import claim_outputs
 from tiered_kv.errors import TieredKVError
@@ -46,6 +46,7 @@ COMMANDS = (
     simulate,
     sweep,
     validate,
+    calibrate,
     trace,
     crossover,
     fidelity,

@@ -20,8 +20,11 @@ from tiered_kv.sim.calibration import Calibration
 from tiered_kv.sim.client import OPEN_LOOP, ClientSpec
 from tiered_kv.sim.compute import ComputeModel
 from tiered_kv.sim.config_schema import DEFAULT_RUNS, REGIME_SCHEMA, RUN_SCHEMA, SCHEMA
+from tiered_kv.sim.engine_version import EngineVersion, parse_engine
 from tiered_kv.sim.files import read_yaml
+from tiered_kv.sim.kv_pool import vllm_kv_budget
 from tiered_kv.sim.profiles import (
+    UNCALIBRATED_FROM,
     HardwareProfile,
     LinkProfile,
     ModelProfile,
@@ -29,6 +32,7 @@ from tiered_kv.sim.profiles import (
     is_path_ref,
     load_hardware,
     load_model,
+    uncalibrated_step,
 )
 from tiered_kv.sim.schema import validate
 from tiered_kv.sim.shipped import shipped, shipped_names
@@ -91,6 +95,10 @@ class RunSetup:
     scheduler_reserve_full_isl: bool = True
     watermark: float = 0.0
     client: ClientSpec = OPEN_LOOP  # how the requests are sent (workload.concurrency, workload.think_s)
+    engine: str = ""
+    async_scheduling: bool = False
+    # Not empty when the hardware profile gives no step model for the engine's era: what ran instead.
+    uncalibrated: str = ""
 
 
 def find_config(ref: str | Path | None) -> Path | Traversable:
@@ -258,6 +266,8 @@ def validate_config(raw: Any, calibration: Calibration | None = None) -> dict[st
         raise ConfigError(
             f"workload.trace_sample.window_s: must be [start, end] seconds with 0 <= start < end, got {window!r}"
         )
+    if w["shared_prefix"] is not None and w["trace"] is not None:
+        raise ConfigError("workload.shared_prefix: a workload is a trace or shared prefixes, not both (drop one)")
     _check_length(w["prompt_len"], "workload.prompt_len")
     _check_length(w["output_len"], "workload.output_len")
     check_load(w)
@@ -300,16 +310,37 @@ class _Sizes:
     block_bytes: int
 
 
-def _sizes(cfg: dict[str, Any], run: dict[str, Any], rkey: str, hw: HardwareProfile, model: ModelProfile) -> _Sizes:
-    """The run's GPU and CPU pools in blocks and GiB, checked against the GPU, the host and the workload."""
+def _sizes(
+    cfg: dict[str, Any],
+    run: dict[str, Any],
+    rkey: str,
+    hw: HardwareProfile,
+    model: ModelProfile,
+    limits: tuple[int, int],
+    engine: EngineVersion,
+) -> _Sizes:
+    """The run's GPU and CPU pools in blocks and GiB, checked against the GPU, the host and the workload.
+
+    Without ``memory.activation_reserve_gib`` the GPU's KV memory is what the engine's own memory
+    profile leaves (:func:`~tiered_kv.sim.kv_pool.vllm_kv_budget`, for ``limits``:
+    ``(max_num_batched_tokens, max_num_seqs)``).
+    """
     mem = cfg["memory"]
     bs = mem["block_size"]
-    usable = hw.memory_gib * mem["gpu_memory_utilization"] - mem["activation_reserve_gib"]
     weights = model.weight_bytes_per_gpu / GIB
+    if mem["activation_reserve_gib"] is None:
+        budget = vllm_kv_budget(
+            hw, model, mem["gpu_memory_utilization"], limits[0], limits[1], engine, mem["cudagraph_gib"]
+        )
+        usable = budget.kv_gib + weights
+        what = f"vLLM's memory profile: {budget.describe()}"
+    else:
+        usable = hw.memory_gib * mem["gpu_memory_utilization"] - mem["activation_reserve_gib"]
+        what = f"memory.gpu_memory_utilization x {hw.memory_gib} GiB - memory.activation_reserve_gib"
     if weights >= usable:
         raise ConfigError(
             f"model: {model.name} needs {weights:.1f} GiB of weights per GPU but {hw.name} has only "
-            f"{usable:.1f} GiB usable (memory.gpu_memory_utilization x {hw.memory_gib} GiB - activation reserve)"
+            f"{usable:.1f} GiB usable ({what})"
         )
     gpu_kv = run["gpu_kv_gib"] if run["gpu_kv_gib"] is not None else mem["gpu_kv_gib"]
     gkey = f"{rkey}.gpu_kv_gib" if run["gpu_kv_gib"] is not None else "memory.gpu_kv_gib"
@@ -369,11 +400,28 @@ def _models(
     hw: HardwareProfile,
     model: ModelProfile,
     calibration: Calibration | None,
-) -> tuple[ComputeModel, CostModel, LinkProfile]:
-    """The run's step-time model, the manager's cost model and the PCIe link: measured, or from the profiles."""
+    engine: EngineVersion,
+) -> tuple[ComputeModel, CostModel, LinkProfile, str]:
+    """The run's step-time model, the manager's cost model and the PCIe link: measured, or from the profiles.
+
+    The step model is the hardware profile's for the engine's era; a profile that gives none for it
+    runs with the uncalibrated default, and the fourth value then says so (else it is empty).
+    """
     bs = cfg["memory"]["block_size"]
     c = cfg["compute"]
-    sp = hw.step
+    if c["scheduler_steps"] > 1 and not engine.multi_step:
+        raise ConfigError(
+            f"compute.scheduler_steps: {engine.name} (the vLLM V1 engine) has no multi-step scheduling; "
+            f"--num-scheduler-steps {c['scheduler_steps']} is vLLM 0.6's (say engine: vllm-0.6.0)"
+        )
+    sp = hw.step_for(engine.era)
+    uncalibrated = ""
+    if sp is None:
+        sp = uncalibrated_step(engine.era)
+        uncalibrated = (
+            f"{hw.name} has no step model for {engine.era} ({engine.name}): running UNCALIBRATED, with the "
+            f"{UNCALIBRATED_FROM} profile's (docs/hardware.md: calibrate with `tiered-kv calibrate`)"
+        )
     mfu = c["mfu"] if c["mfu"] is not None else sp.mfu
     pre = c["prefill_mfu"] if c["prefill_mfu"] is not None else sp.prefill_mfu
     front = c["frontend_s"] if c["frontend_s"] is not None else sp.frontend_s
@@ -410,8 +458,20 @@ def _models(
         link = LinkProfile(h2d, d2h, bidir, ovh)
         step_s = c["step_overhead_s"] if c["step_overhead_s"] is not None else sp.step_overhead_s
         per_seq = c["per_seq_s"] if c["per_seq_s"] is not None else sp.per_seq_s
+        per_layer = c["per_layer_s"] if c["per_layer_s"] is not None else sp.per_layer_s
         compute = ComputeModel(
-            hw, model, mfu, eff, step_s, c["fixed_step_s"], None, per_seq, pre, front, c["scheduler_steps"]
+            hw,
+            model,
+            mfu,
+            eff,
+            step_s,
+            c["fixed_step_s"],
+            None,
+            per_seq,
+            pre,
+            front,
+            c["scheduler_steps"],
+            per_layer,
         )
         cost = CostModel(
             kv_bytes_per_token=model.kv_bytes_per_token,
@@ -423,7 +483,7 @@ def _models(
             prefill_tokens_per_s=compute.prefill_tokens_per_s(),
             prefill_quadratic_s_per_token2=compute.prefill_quadratic(),
         )
-    return compute, cost, link
+    return compute, cost, link, uncalibrated
 
 
 def derived_fields(st: RunSetup) -> list[str]:
@@ -456,15 +516,17 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
             f"block size {calibration.block_size}"
         )
     check_pair(hw, model)
-    sizes = _sizes(cfg, run, rkey, hw, model)
-    n_gpu, n_cpu, block_bytes = sizes.num_gpu_blocks, sizes.num_cpu_blocks, sizes.block_bytes
-    bs = cfg["memory"]["block_size"]
-    compute, cost, link = _models(cfg, run, hw, model, calibration)
-    d2h, h2d, ovh = link.d2h_bytes_per_s, link.h2d_bytes_per_s, link.per_copy_overhead_s
+    engine = parse_engine(cfg["engine"])
     s = cfg["scheduler"]
     seqs_default, tokens_default = hw.vllm_default_limits
     max_tokens = s["max_num_batched_tokens"] if s["max_num_batched_tokens"] is not None else tokens_default
     max_seqs = s["max_num_seqs"] if s["max_num_seqs"] is not None else min(seqs_default, max_tokens)
+    sizes = _sizes(cfg, run, rkey, hw, model, (max_tokens, max_seqs), engine)
+    n_gpu, n_cpu, block_bytes = sizes.num_gpu_blocks, sizes.num_cpu_blocks, sizes.block_bytes
+    bs = cfg["memory"]["block_size"]
+    compute, cost, link, uncalibrated = _models(cfg, run, hw, model, calibration, engine)
+    d2h, h2d, ovh = link.d2h_bytes_per_s, link.h2d_bytes_per_s, link.per_copy_overhead_s
+    async_sched = s["async_scheduling"] if s["async_scheduling"] is not None else engine.async_scheduling
     tiers = resolve_tiers(run["tiers"], hw.tiers, block_bytes, max(n_cpu, 0), run["offload"], f"{rkey}.tiers")
     _check_prefix_caching(cfg["memory"]["prefix_caching"], run, rkey)
     return RunSetup(
@@ -499,6 +561,9 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
         scheduler_reserve_full_isl=s["scheduler_reserve_full_isl"],
         watermark=s["watermark"],
         client=ClientSpec(cfg["workload"]["concurrency"], cfg["workload"]["think_s"]),
+        engine=engine.name,
+        async_scheduling=async_sched,
+        uncalibrated=uncalibrated if calibration is None else "",
     )
 
 

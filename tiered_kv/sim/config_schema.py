@@ -15,6 +15,8 @@ from tiered_kv.manager.victim_policy import (
     renamed_victim_policy_hint,
     victim_policy_class,
 )
+from tiered_kv.sim import shared_prefix
+from tiered_kv.sim.engine_version import DEFAULT_ENGINE, engine_check
 from tiered_kv.sim.link import LAYOUTS, MODES
 from tiered_kv.sim.schema import (
     REQUIRED,
@@ -122,6 +124,9 @@ SCHEMA: dict[str, Any] = {
     "seed": integer(0, non_negative),
     "hardware": Field((str, dict), "h200"),
     "model": Field((str, dict), "llama3-8b"),
+    # The serving engine simulated, vllm-X.Y.Z: which step model of the hardware profile, and what
+    # the version changes (tiered_kv.sim.engine_version).
+    "engine": Field((str,), DEFAULT_ENGINE, None, (engine_check,)),
     "hash": choice("fast", "fast", "sha256"),
     "memory": {
         "block_size": integer(16, power_of_two),
@@ -130,7 +135,11 @@ SCHEMA: dict[str, Any] = {
         "cpu_kv_gib": num(64.0, non_negative),
         "cpu_kv_tokens": Field((int,), None, None, (non_negative,), nullable=True),
         "host_memory_gib": num(1024.0, positive),
-        "activation_reserve_gib": num(2.0, non_negative),
+        # None: what vLLM's memory profile takes besides the weights (tiered_kv.sim.kv_pool); a number
+        # replaces all of it (activations, sampler, memory outside torch, CUDA graphs) with that many GiB.
+        "activation_reserve_gib": num(None, non_negative, nullable=True),
+        # vLLM 0.21.0 and later: the CUDA graphs' memory its profile takes from the KV cache (None: kv_pool's).
+        "cudagraph_gib": num(None, non_negative, nullable=True),
         "gpu_blocks": Field((int,), None, None, (positive,), nullable=True),
         "cpu_blocks": Field((int,), None, None, (non_negative,), nullable=True),
         # vLLM's enable_prefix_caching (--no-enable-prefix-caching: false): off, nothing is cached
@@ -143,6 +152,8 @@ SCHEMA: dict[str, Any] = {
         "max_num_seqs": Field((int,), None, None, (positive,), nullable=True),
         "chunked_prefill": Field((bool,), True),
         "scheduling": Retired(_scheduling),
+        # vLLM's --async-scheduling (None: the engine version's default, on from 0.14.0).
+        "async_scheduling": Field((bool,), None, nullable=True),
         # vLLM 0.33's admission gate, its name and default: admit a request only when its whole
         # prompt fits the GPU pool, not only its first chunk.
         "scheduler_reserve_full_isl": Field((bool,), True),
@@ -158,12 +169,13 @@ SCHEMA: dict[str, Any] = {
         "step_overhead_s": num(None, non_negative, nullable=True),
         "per_step_s": Retired(lambda v: f"renamed: give compute.step_overhead_s: {v!r}"),
         "per_seq_s": num(None, non_negative, nullable=True),
+        "per_layer_s": num(None, non_negative, nullable=True),
         "fixed_step_s": num(None, positive, nullable=True),
         # The serving front end's cost per request, before it reaches the scheduler (not a step's).
         "frontend_s": num(None, non_negative, nullable=True),
         # vLLM 0.6's --num-scheduler-steps: a decode-only batch runs this many steps per scheduling
         # decision, and a request that arrives meanwhile waits for the next decision.  vLLM v1 has
-        # no such option: 1.
+        # no such option: 1 (more is refused with an engine of the v1 era).
         "scheduler_steps": integer(1, positive),
     },
     # Overrides of the hardware profile's link (None: the profile's).
@@ -195,6 +207,9 @@ SCHEMA: dict[str, Any] = {
             "share": num(0.5, probability),
         },
         "multi_turn": {"prob": num(0.0, probability), "max_turns": integer(4, positive)},
+        # A workload kind of its own (tiered_kv.sim.shared_prefix): shared system prompts recycled
+        # at constant-rate stages; replaces the synthetic keys above.
+        "shared_prefix": Field((dict,), None, None, (shared_prefix.check,), nullable=True),
         "trace": Field((str,), None, nullable=True),
         # The trace's layout (tiered_kv.sim.trace_formats.FORMATS); sharegpt's conversations
         # start arrival.rate per second.

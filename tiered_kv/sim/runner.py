@@ -260,6 +260,8 @@ def simulate(
     tasks, sizes, heads, workloads = _plan(regimes, cal, requests_path, timeline_path, metrics_path)
     cfg0 = regimes[0][3]
     _, _, where, first, demand0, _ = heads[0]
+    if first.uncalibrated:  # the first line a run prints: its step times are a default, not this GPU's
+        emit(f"note: {first.uncalibrated}")
     load = describe_load(cfg0["workload"])  # first, where it is seen: it changes every number below
     emit(
         f"{cfg0['name']}{f', load: {load};' if load else ':'} {first.model.name} on {where}, GPU KV "

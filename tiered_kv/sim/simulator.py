@@ -209,6 +209,13 @@ class Simulator:
         msteps = compute.scheduler_steps
         ms_left = 0
         held: list[SimRequest] = []
+        # Async scheduling (vLLM 0.14.0 and later): step k + 1 is decided while step k runs, so a
+        # request that reaches the scheduler during step k is first decided on after it, for step
+        # k + 2 (``late`` during the step, ``deferred`` for one decision) unless step k + 1 had
+        # nothing to run.
+        asynch = self.setup.async_scheduling
+        late: list[SimRequest] = []
+        deferred: list[SimRequest] = []
         total = len(self.workload)
         size = max((r.rid for r in self.workload), default=-1) + 1
         # Hot-loop copies indexed by request id (ids are 0..n-1): a list index is cheaper than a dict lookup.
@@ -230,11 +237,12 @@ class Simulator:
         carry: list[CopyJob] = []  # layerwise copies the next step reads
         last_report = time.perf_counter()
 
-        def advance(to: float, before: bool = False) -> None:
+        def advance(to: float, before: bool = False, stepping: bool = False) -> None:
             """Handle every event up to ``to`` (strictly before, with ``before``) at its own time, then set the clock.
 
             Copies finish mid-step at their own time, so the link's next copy starts
             then; events at the step's end are handled after the step is applied.
+            ``stepping``: a step runs until ``to`` (an arrival then is late for async scheduling).
             """
             while True:
                 ev = loop.pop_until(to, before)
@@ -251,6 +259,8 @@ class Simulator:
                     client.ready(payload, t_event)  # type: ignore[union-attr]  # only a client schedules READY
                 elif ms_left:
                     held.append(payload)
+                elif stepping and asynch:
+                    late.append(payload)
                 else:
                     enter(payload, t_event)
             if to > loop.now:
@@ -289,6 +299,17 @@ class Simulator:
                 for r_held in held:
                     enter(r_held, loop.now)  # it reaches the scheduler now, at the decision it waited for
                 held.clear()
+            if deferred:
+                for r_held in deferred:
+                    enter(r_held, loop.now)  # one decision later: the step after next, as async scheduling has it
+                deferred.clear()
+            if late:
+                if sched.num_unfinished:  # the next step was decided without them: they wait for the one after
+                    deferred.extend(late)
+                else:
+                    for r_held in late:
+                        enter(r_held, loop.now)
+                late.clear()
             out = sched.schedule()
             now = loop.now
             if tracing:
@@ -347,7 +368,7 @@ class Simulator:
                     carry = []
                 if end - now > dt:
                     stall_s += end - now - dt
-                advance(end, before=True)
+                advance(end, before=True, stepping=True)
                 busy.append((start, end))
                 n_steps += 1
                 tokens_computed += out.num_tokens
@@ -388,6 +409,11 @@ class Simulator:
                 carry.extend(new_early)
                 if held:  # nothing runs: the multi-step run is over, and the next decision is now
                     ms_left = 0
+                    continue
+                if deferred:  # nothing ran: the step they waited for was empty, so they are decided on now
+                    for r_held in deferred:
+                        enter(r_held, loop.now)
+                    deferred.clear()
                     continue
                 if new_early:
                     continue  # a layerwise copy was ordered: its request can run in the next step, now

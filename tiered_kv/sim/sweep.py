@@ -236,6 +236,8 @@ def sweep(
     name, cells, rates, mems = plan_cells(config)
     work = size(cells[0].cfg["workload"])
     setups = [setup(c.cfg, c.run_index) for c in cells]
+    if setups[0].uncalibrated:  # the sweep's first line: its step times are a default, not this GPU's
+        emit(f"note: {setups[0].uncalibrated}")
     derived = list(dict.fromkeys(d for st in setups for d in derived_fields(st)))
     if derived:
         emit(f"derived, not given in the profiles: {'; '.join(derived)}")

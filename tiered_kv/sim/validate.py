@@ -18,6 +18,11 @@ model, GPU, lengths and concurrency) as an ordinary experiment config, plus a
   fit, not the model); ``reason``: why a point is known to be outside.
 
 Runs are cached per (config, overrides), so a point costs one simulation at most.
+
+A file of ``configs/validation/`` with an ``experiments`` list instead is a
+set of measured runs (:mod:`~tiered_kv.sim.measured_runs`), compared run by
+run by :mod:`~tiered_kv.sim.validate_runs`; :func:`validation_files` leaves
+those to :func:`run_sets`.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tiered_kv.sim.config import config_from_raw, resolve_paths, setup
 from tiered_kv.sim.events import EventLoop
 from tiered_kv.sim.files import read_yaml
 from tiered_kv.sim.link import CopyGeometry, SimLink
+from tiered_kv.sim.measured_runs import RunSet, is_run_set, load_run_set
 from tiered_kv.sim.profiles import load_hardware
 from tiered_kv.sim.schema import Field, choice, num, positive, validate
 from tiered_kv.sim.shipped import shipped, shipped_names
@@ -144,20 +150,44 @@ def load_file(path: Path | Any, name: str) -> ValidationFile:
     return vf
 
 
+def _resolve(ref: str) -> tuple[Any, str]:
+    p = Path(ref)
+    if p.suffix in (".yaml", ".yml", ".json") and p.exists():
+        return p, p.stem
+    found = shipped("validation", ref)
+    if found is None:
+        raise ConfigError(
+            f"validation: no config {ref!r} (shipped: {', '.join(shipped_names('validation'))}; or give a path)"
+        )
+    return found, ref
+
+
+def _is_run_set_file(path: Any, name: str) -> bool:
+    if str(path).endswith(".json"):
+        return True
+    return is_run_set(read_yaml(path, f"validation {name}"))
+
+
 def validation_files(names: list[str] | None = None) -> list[ValidationFile]:
-    """The shipped validation configs (all, or those named), or files given by path."""
+    """The shipped validation configs of published points (all, or those named), or files given by path.
+
+    Sets of measured runs among them are left out (:func:`run_sets` reads those).
+    """
     out = []
     for ref in names or shipped_names("validation"):
-        p = Path(ref)
-        if p.suffix in (".yaml", ".yml") and p.exists():
-            out.append(load_file(p, p.stem))
-            continue
-        found = shipped("validation", ref)
-        if found is None:
-            raise ConfigError(
-                f"validation: no config {ref!r} (shipped: {', '.join(shipped_names('validation'))}; or give a path)"
-            )
-        out.append(load_file(found, ref))
+        path, name = _resolve(ref)
+        if not _is_run_set_file(path, name):
+            out.append(load_file(path, name))
+    return out
+
+
+def run_sets(names: list[str] | None = None) -> list[RunSet]:
+    """The sets of measured runs among the shipped validation configs (all, or those named), or given by path."""
+    out = []
+    for ref in names or shipped_names("validation"):
+        path, name = _resolve(ref)
+        if _is_run_set_file(path, name):
+            out.append(load_run_set(path, name))
     return out
 
 

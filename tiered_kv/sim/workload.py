@@ -9,6 +9,9 @@
   (prompt + answer) plus a new user message; it takes the next arrival time
   of the process, or, with ``workload.think_s``, is sent a think time after the
   previous turn's answer (:mod:`tiered_kv.sim.client`).
+* Shared system prompts recycled at constant rates, stage after stage
+  (``workload.shared_prefix``: a workload kind of its own, in
+  :mod:`tiered_kv.sim.shared_prefix`).
 * Replay of a trace in one of the public formats of
   :mod:`tiered_kv.sim.trace_formats` (``workload.trace_format``): this
   package's JSONL, Mooncake, Azure, BurstGPT, ShareGPT; optionally sampled by
@@ -36,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.sim import trace_formats
+from tiered_kv.sim import shared_prefix, trace_formats
 from tiered_kv.sim.trace_formats import TraceRow
 from tiered_kv.sim.trace_stats import mean_rate
 
@@ -238,6 +241,8 @@ def check_load(spec: dict[str, Any]) -> None:
 
 def generate(spec: dict[str, Any], seed: int) -> list[SimRequest]:
     """Requests of a validated ``workload`` config section, deterministic in ``seed``."""
+    if spec.get("shared_prefix") is not None:
+        return shared_prefix.generate(spec["shared_prefix"])
     if spec["trace"]:
         return from_rows(trace_rows(spec))
     rng = random.Random(seed)
@@ -345,6 +350,9 @@ def longest_synthetic(spec: dict[str, Any]) -> int:
 
     A conversation resends every earlier turn; the system prompt is sent once.
     """
+    if spec.get("shared_prefix") is not None:
+        sp = shared_prefix.parse(spec["shared_prefix"])
+        return shared_prefix.prompt_len(sp) + int(sp["output_len"])
     turns = spec["multi_turn"]["max_turns"] if spec["multi_turn"]["prob"] > 0 else 1
     longest = turns * (max_length(spec["prompt_len"]) + max_length(spec["output_len"]))
     return longest + (spec["system_prompts"]["length"] if spec["system_prompts"]["count"] else 0)
@@ -352,6 +360,9 @@ def longest_synthetic(spec: dict[str, Any]) -> int:
 
 def size(spec: dict[str, Any]) -> WorkloadSize:
     """The size of a validated ``workload`` section without generating it (a trace is read, not built)."""
+    if spec.get("shared_prefix") is not None:
+        n, longest = shared_prefix.num_requests(spec["shared_prefix"]), longest_synthetic(spec)
+        return WorkloadSize(n, n * longest, longest, "workload.shared_prefix")
     if spec["trace"]:
         rows = trace_rows(spec)
         big = max(rows, key=lambda r: r.prompt_len + r.output_len)
