@@ -72,13 +72,23 @@ RUNS = [
 """The rows, as the simulator's ``runs`` entries (the vLLM replay reads the same settings)."""
 
 
-def load_stream(config: str, window: float, every: int | None = None) -> tuple[dict[str, Any], list[Any]]:
-    """The validated config, its runs replaced by :data:`RUNS` and its trace cut to ``window`` s; its requests."""
+def load_stream(
+    config: str, window: float, every: int | None = None, reserve_full_isl: bool = True
+) -> tuple[dict[str, Any], list[Any]]:
+    """The validated config, its runs replaced by :data:`RUNS` and its trace cut to ``window`` s; its requests.
+
+    ``reserve_full_isl`` sets the simulator's admission to the one the vLLM replay runs with, so
+    that each row's two lines compare the same scheduler settings.
+    """
     from tiered_kv.sim.config import config_from_raw, read_config
     from tiered_kv.sim.workload import generate
 
     raw, stem = read_config(config)
-    overrides: dict[str, Any] = {"workload.trace_sample.window_s": [0, window], "runs": RUNS}
+    overrides: dict[str, Any] = {
+        "workload.trace_sample.window_s": [0, window],
+        "runs": RUNS,
+        "scheduler.scheduler_reserve_full_isl": reserve_full_isl,
+    }
     if every is not None:
         overrides["workload.trace_sample.every"] = every
     cfg = config_from_raw(raw, stem, overrides)
@@ -443,13 +453,13 @@ def main(argv: list[str] | None = None) -> int:
         "--no-reserve-full-isl",
         dest="reserve_full_isl",
         action="store_false",
-        help="vLLM admits a request when its first chunk fits (scheduler_reserve_full_isl=False), as the simulator "
-        "does; by default vLLM 0.33 admits one only when its whole prompt fits",
+        help="admit a request when its first chunk fits (scheduler_reserve_full_isl=False), in vLLM and in the "
+        "simulator; by default vLLM 0.33 admits one only when its whole prompt fits",
     )
     ap.add_argument("--json", default=None, help="also write every number to this file")
     args = ap.parse_args(argv)
     _vllm_environment()
-    cfg, workload = load_stream(args.config, args.window, args.every)
+    cfg, workload = load_stream(args.config, args.window, args.every, args.reserve_full_isl)
     sts = setups(cfg)
     st0 = sts[0]
     prompt = sum(r.prompt_len for r in workload)
