@@ -111,3 +111,22 @@ def test_a_stage_the_workload_does_not_have_is_refused(tmp_path):
     f = pressure_file(tmp_path, [point("a", 1.0, run="one", stage=2)])
     with pytest.raises(ConfigError, match=r"a\.stage: the workload has stages 0 to 1, got 2"):
         run_validation(validation_files([str(f)]))
+
+
+def test_stages_that_have_not_drained_before_the_next_starts_are_refused(tmp_path):
+    # 3 s a step, synchronous: stage 0 sends at 0 and 2; the second waits for the step boundary at
+    # 3 s and finishes at 9 s, after stage 1 (gap 0.5 s) started at 4.5 s.  With a gap of 10 s,
+    # stage 1 sends at 14 and 16 s onto an idle server: E2E 6 s (two steps) and 7 s (it waits 1 s
+    # for the step in flight).
+    f = pressure_file(tmp_path, [point("a", 1.0, run="one", stage=1, overrides={"compute.fixed_step_s": 3.0})])
+    raw = yaml.safe_load(f.read_text())
+    raw["workload"]["shared_prefix"]["stage_gap_s"] = 0.5
+    f.write_text(yaml.safe_dump(raw))
+    with pytest.raises(
+        ConfigError, match=r"stage 0's last request finished at 9\.0 s, after stage 1 started at 4\.5 s"
+    ):
+        run_validation(validation_files([str(f)]))
+    raw["workload"]["shared_prefix"]["stage_gap_s"] = 10
+    f.write_text(yaml.safe_dump(raw))
+    (p,) = run_validation(validation_files([str(f)]))
+    assert p.predicted == 6.5

@@ -69,6 +69,9 @@ SIM_METRICS: dict[str, Callable[[dict[str, Any]], float]] = {
     "output_tps": lambda r: r["throughput_output_tps"],
     "request_tps": lambda r: r["throughput_rps"],
     "norm_latency_s": lambda r: r["norm_latency_s"],
+    "itl_p99_ms": lambda r: r["itl_s"]["p99"] * 1e3,
+    # vLLM's preemption counter (vllm:num_preemptions): every preemption, by either mode.
+    "preemptions": lambda r: float(r["preemptions_recompute"] + r["preemptions_swap"]),
 }
 LINK_METRICS = ("one_way_gbps", "bidir_gbps", "speedup")
 #: Means over the finished requests of a run (or of one stage, ``stage``), from their records:
@@ -364,6 +367,9 @@ class Predictor:
         if s["metric"] in STAGE_METRICS:
             done = self.requests(vf, s["overrides"])
             stages = self._stages(vf, p)
+            if stages is not None and stages[1] > 0:
+                for run_name in {name, s["relative_to"] or name}:
+                    check_drained(done[run_name], stages, f"validation {vf.name}.{p.id} ({run_name})")
             value = stage_metric(done[name], s["metric"], s["stage"], stages)
             if s["relative_to"] is not None:
                 base = stage_metric(done[s["relative_to"]], s["metric"], s["stage"], stages)
@@ -391,6 +397,27 @@ class Predictor:
                 f"got {p.spec['stage']}"
             )
         return spec["stages"], spec["stage_gap_s"]
+
+
+def check_drained(done: list[Finished], stages: tuple[list[tuple[float, float]], float], where: str) -> None:
+    """Refuse stages that overlap: with a ``stage_gap_s`` the client waits for each stage to drain.
+
+    inference-perf starts a stage only after every request of the previous one has finished; the
+    simulation stands for that only if each stage's last request finished before the next stage's
+    first was sent.
+    """
+    starts = shared_prefix.stage_starts(stages[0], stages[1])
+    last: dict[int, float] = {}
+    for r in done:
+        k = shared_prefix.stage_of(r.arrival, stages[0], stages[1])
+        last[k] = max(last.get(k, 0.0), r.finish)
+    for k, t in sorted(last.items()):
+        if k + 1 < len(starts) and t > starts[k + 1]:
+            raise ConfigError(
+                f"{where}: stage {k}'s last request finished at {t:.1f} s, after stage {k + 1} started at "
+                f"{starts[k + 1]:.1f} s; the client waits for a stage to drain, so raise "
+                "workload.shared_prefix.stage_gap_s"
+            )
 
 
 def stage_metric(
