@@ -56,6 +56,16 @@ def test_poisson_seconds_are_inference_perfs_and_the_stage_sends_rate_times_dura
     assert times != [t for t, _ in sent(dict(spec, seed=1))]
 
 
+def test_inference_perfs_constant_timer_draws_the_gaps_and_ends_the_stage_on_its_last_request():
+    spec = dict(SPEC, stages=[[2, 5], [1, 2]], arrival="constant")
+    times = [t for t, _ in sent(spec)]
+    # Ten requests in stage 0, scaled to end exactly at 5 s; two in stage 1, the last at 7 s.
+    assert len(times) == 12 and times == sorted(times)
+    assert times[9] == pytest.approx(5.0) and times[11] == pytest.approx(7.0)
+    assert times[:10] != [k / 2 for k in range(1, 11)]  # drawn, not even
+    assert [t for t, _ in sent(dict(spec, arrival="even"))] == [0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 4.5, 5, 6]
+
+
 def test_a_router_gives_each_server_the_prompts_of_its_system_prompts():
     spec = dict(SPEC, users_per_system=2, stages=[[1, 8]], replicas=2, replica=1)
     # Systems 1 and 3 (prompts 2, 3, 6, 7) go to server 1, at the client's own send times.

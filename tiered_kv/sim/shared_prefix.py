@@ -40,11 +40,14 @@ whether a tier below the GPU finds them; five keys say so (each off by default):
 * ``restart_each_stage: true``: every stage asks the generator anew
   (``self.datagen.get_data()`` in each stage), so each stage sends the list from
   its start again, and a stage re-sends the prompts the stages before it sent;
-* ``arrival: poisson``: inference-perf's ``PoissonLoadTimer``: for each second a
-  count drawn from a Poisson law of mean ``rate``, spread over that second by
-  exponential gaps scaled to sum to one second, until the stage's
-  ``int(rate x duration)`` requests are placed (``constant``, the default: exactly
-  ``1 / rate`` apart);
+* ``arrival``: ``even`` (the default) sends exactly ``1 / rate`` apart.
+  inference-perf's two timers draw their times: ``constant`` is its
+  ``ConstantLoadTimer`` (``int(rate x duration)`` exponential gaps of mean ``1 /
+  rate``, scaled to sum to the stage's duration: as random as a Poisson process,
+  with the count fixed; since #157, 2025-08-20, and unscaled exponential gaps
+  before it), ``poisson`` its ``PoissonLoadTimer`` (for each second a count drawn
+  from a Poisson law of mean ``rate``, spread over that second by exponential gaps
+  scaled to sum to one second, until the stage's requests are placed);
 * ``stage_gap_s: S``: the next stage starts ``S`` seconds after the previous
   stage's duration is over (inference-perf waits until the stage's last request
   has finished, then ``load.interval`` seconds; choose ``S`` longer than the
@@ -73,7 +76,7 @@ SCHEMA: dict[str, Any] = {
     "stages": Field((list,)),
     "order": choice("grouped", "grouped", "shuffled"),
     "restart_each_stage": Field((bool,), False),
-    "arrival": choice("constant", "constant", "poisson"),
+    "arrival": choice("even", "even", "constant", "poisson"),
     "stage_gap_s": num(0.0, non_negative),
     "replicas": integer(1, positive),
     "replica": integer(0, non_negative),
@@ -184,11 +187,26 @@ def poisson_times(rate: float, n: int, start: float, rng: random.Random) -> list
     return out[:n]
 
 
+def constant_times(rate: float, seconds: float, n: int, start: float, rng: random.Random) -> list[float]:
+    """``n`` send times from ``start`` as inference-perf's ``ConstantLoadTimer`` makes them.
+
+    ``n`` exponential gaps of mean ``1 / rate``, scaled so that they sum to ``seconds``: the first
+    request one gap after the stage starts, the last on its end.
+    """
+    gaps = [rng.expovariate(rate) for _ in range(n)]
+    scale = seconds / sum(gaps) if gaps else 0.0
+    out, t = [], start
+    for g in gaps:
+        t += g * scale
+        out.append(t)
+    return out
+
+
 def schedule(spec: dict[str, Any]) -> list[tuple[float, int]]:
     """``(send time, prompt)`` of every request this server gets, in send order (a parsed section).
 
     Draws (with ``spec['seed']``) the prompt order when ``order`` is ``shuffled`` and then the
-    send times when ``arrival`` is ``poisson``; nothing at random otherwise.
+    send times when ``arrival`` is ``constant`` or ``poisson``; nothing at random otherwise.
     """
     rng = random.Random(spec["seed"])
     n_prompts = spec["systems"] * spec["users_per_system"]
@@ -202,6 +220,8 @@ def schedule(spec: dict[str, Any]) -> list[tuple[float, int]]:
         n = round(rate * seconds)
         if spec["arrival"] == "poisson":
             times = poisson_times(rate, n, start, rng)
+        elif spec["arrival"] == "constant":
+            times = constant_times(rate, seconds, n, start, rng)
         else:
             times = [start + k / rate for k in range(n)]
         if spec["restart_each_stage"]:
@@ -245,5 +265,5 @@ def generate(raw: Any) -> list[Any]:
 
 def num_requests(raw: Any) -> int:
     spec = parse(raw)
-    defaults = spec["replicas"] == 1 and spec["arrival"] == "constant"
+    defaults = spec["replicas"] == 1 and spec["arrival"] == "even"
     return sum(round(rate * seconds) for rate, seconds in spec["stages"]) if defaults else len(schedule(spec))
