@@ -88,6 +88,33 @@ def test_a_prompt_sent_again_in_the_next_stage_is_found_in_the_cpu_tier():
     assert (on["gpu_prefix_hit_rate"], on["cpu_prefix_hit_rate"]) == (0.0, 0.0)
 
 
+def test_shuffled_prompts_come_back_after_the_gpu_dropped_their_system_prompt_and_the_cpu_tier_finds_it():
+    # Why a CPU tier gains under light load: two system prompts of two users each, a GPU pool of 4
+    # blocks (one prompt's two system-prompt blocks and its partial block), a CPU tier of 64.
+    # Grouped (request j sends prompt j), the second user of a system prompt follows the first, and
+    # the GPU prefix cache finds its 8 system-prompt tokens: the CPU tier finds nothing more.
+    # inference-perf shuffles the prompt list (seed 1: prompts 3, 0, 2, 1, of systems 1, 0, 1, 0), so
+    # every request's system prompt was dropped from the GPU by the one before it: the GPU finds
+    # nothing, the CPU tier both second users' system prompts (2 x 8 of the 4 x 9 prompt tokens).
+    spec = dict(SPEC, systems=2, users_per_system=2, stages=[[0.25, 16]], seed=1)
+    hbm = {"victim_policy": "last_admitted", "mode": "recompute", "offload": "none", "name": "hbm", "cpu_kv_gib": 0}
+    tier = {"victim_policy": "last_admitted", "mode": "recompute", "offload": "write_through", "name": "cpu"}
+    kw = {"runs": [hbm, tier], "memory__cpu_kv_gib": 64 * KIB_IN_GIB, "memory__gpu_kv_gib": 4 * KIB_IN_GIB}
+    hit = {}
+    for order in ("grouped", "shuffled"):
+        cfg = config(workload__shared_prefix=dict(spec, order=order), **kw)
+        assert [p for _, p in sent(dict(spec, order=order))] == ([0, 1, 2, 3] if order == "grouped" else [3, 0, 2, 1])
+        for i in (0, 1):
+            res, _ = run(cfg, i)
+            hit[order, res["run"]] = (res["gpu_prefix_hit_rate"], res["cpu_prefix_hit_rate"])
+    assert hit == {
+        ("grouped", "hbm"): (16 / 36, 0.0),
+        ("grouped", "cpu"): (16 / 36, 0.0),
+        ("shuffled", "hbm"): (0.0, 0.0),
+        ("shuffled", "cpu"): (0.0, 16 / 36),
+    }
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
