@@ -15,9 +15,22 @@ model, GPU, lengths and concurrency) as an ordinary experiment config, plus a
   direction or shape (the vLLM paper's "swap loses at small blocks");
 * ``source``: where the number was published; ``fit``: true when the point was
   used to fit the hardware profile's step coefficients (it then checks the
-  fit, not the model); ``reason``: why a point is known to be outside.
+  fit, not the model); ``reason``: why a point is known to be outside;
+* ``stage``: for a metric of :data:`STAGE_METRICS`, the stage of a
+  ``workload.shared_prefix`` whose requests it averages (by send time; none: all
+  requests);
+* ``vs``: another point of the file, published and predicted alike: the table's
+  *direction* column says whether the simulator moves the same way as the
+  measurement from that point to this one (more load, a CPU tier, more memory).
 
 Runs are cached per (config, overrides), so a point costs one simulation at most.
+
+A file may also say ``pool_replicas: true`` (with ``workload.shared_prefix.replicas``
+N): the measurement is of N servers behind a prefix-aware router, so every point is
+predicted from the requests of all N servers' simulations together (each server
+simulated on its own, :mod:`~tiered_kv.sim.shared_prefix`); such a file's points use
+:data:`STAGE_METRICS`.  ``model: {profile: NAME, tensor_parallel: N}`` runs a shipped
+model profile at another tensor-parallel degree.
 
 A file of ``configs/validation/`` with an ``experiments`` list instead is a
 set of measured runs (:mod:`~tiered_kv.sim.measured_runs`), compared run by
@@ -36,12 +49,13 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.sim import shared_prefix
 from tiered_kv.sim.config import config_from_raw, resolve_paths, setup
 from tiered_kv.sim.events import EventLoop
 from tiered_kv.sim.files import read_yaml
 from tiered_kv.sim.link import CopyGeometry, SimLink
 from tiered_kv.sim.measured_runs import RunSet, is_run_set, load_run_set
-from tiered_kv.sim.profiles import load_hardware
+from tiered_kv.sim.profiles import load_hardware, model_profile_raw
 from tiered_kv.sim.schema import Field, choice, num, positive, validate
 from tiered_kv.sim.shipped import shipped, shipped_names
 from tiered_kv.sim.simulator import Simulator
@@ -55,8 +69,15 @@ SIM_METRICS: dict[str, Callable[[dict[str, Any]], float]] = {
     "output_tps": lambda r: r["throughput_output_tps"],
     "request_tps": lambda r: r["throughput_rps"],
     "norm_latency_s": lambda r: r["norm_latency_s"],
+    "itl_p99_ms": lambda r: r["itl_s"]["p99"] * 1e3,
+    # vLLM's preemption counter (vllm:num_preemptions): every preemption, by either mode.
+    "preemptions": lambda r: float(r["preemptions_recompute"] + r["preemptions_swap"]),
 }
 LINK_METRICS = ("one_way_gbps", "bidir_gbps", "speedup")
+#: Means over the finished requests of a run (or of one stage, ``stage``), from their records:
+#: time to first token and end to end from the send time, and the inter-token latency
+#: ``(E2E - TTFT) / (output tokens - 1)`` of those means (as inference-perf's and the BLIS runs' means).
+STAGE_METRICS = ("ttft_mean_s", "e2e_mean_s", "itl_mean_ms")
 
 POINT_SCHEMA = {
     "id": Field((str,)),
@@ -77,6 +98,8 @@ POINT_SCHEMA = {
     "bytes_per_copy": Field((int,), None, None, (positive,), nullable=True),
     "vs_bytes_per_copy": Field((int,), None, None, (positive,), nullable=True),
     "copies": Field((int,), 1000, None, (positive,)),
+    "stage": Field((int,), None, nullable=True),
+    "vs": Field((str,), None, nullable=True),
 }
 
 
@@ -88,6 +111,24 @@ class Point:
     spec: dict[str, Any]
     predicted: float = math.nan
     hardware: str = ""
+    base: Point | None = None  # the point named by ``vs``
+
+    @property
+    def direction(self) -> bool | None:
+        """Whether prediction and publication move the same way from :attr:`base` to this point.
+
+        ``None`` without a ``vs``.  A change counts by its sign; a published change of zero is
+        matched by any predicted change within the point's tolerance of none.
+        """
+        b = self.base
+        if b is None:
+            return None
+        pub, base_pub = self.spec["published"], b.spec["published"]
+        pub_change = pub - base_pub
+        pred_change = self.predicted - b.predicted
+        if pub_change == 0:
+            return abs(pred_change) <= self.spec["tolerance"] * abs(b.predicted)
+        return (pub_change > 0) == (pred_change > 0) and pred_change != 0
 
     @property
     def id(self) -> str:
@@ -123,6 +164,24 @@ class ValidationFile:
     name: str
     raw: dict[str, Any]
     points: list[Point] = field(default_factory=list)
+    pool_replicas: bool = False
+
+
+def _model_variant(raw: dict[str, Any], name: str) -> None:
+    """``model: {profile: NAME, tensor_parallel: N}``: the shipped profile at that degree, in place."""
+    m = raw.get("model")
+    if isinstance(m, dict) and "profile" in m:
+        extra = sorted(set(m) - {"profile", "tensor_parallel"})
+        if extra:
+            raise ConfigError(
+                f"validation {name}.model.{extra[0]}: a profile variant takes only 'profile' and "
+                "'tensor_parallel' (give the whole profile instead to change its shapes)"
+            )
+        variant = model_profile_raw(m["profile"], f"validation {name}.model.profile")
+        if "tensor_parallel" in m:
+            variant["tensor_parallel"] = m["tensor_parallel"]
+            variant["name"] = f"{variant['name']} (TP={m['tensor_parallel']})"
+        raw["model"] = variant
 
 
 def load_file(path: Path | Any, name: str) -> ValidationFile:
@@ -135,18 +194,42 @@ def load_file(path: Path | Any, name: str) -> ValidationFile:
     specs = raw.pop("points", None)
     if not isinstance(specs, list) or not specs:
         raise ConfigError(f"validation {name}.points: must list at least one point")
-    vf = ValidationFile(name, raw)
+    pool = raw.pop("pool_replicas", False)
+    if not isinstance(pool, bool):
+        raise ConfigError(f"validation {name}.pool_replicas: expected true or false, got {pool!r}")
+    _model_variant(raw, name)
+    vf = ValidationFile(name, raw, pool_replicas=pool)
     for i, s in enumerate(specs):
         spec = validate(s, POINT_SCHEMA, f"validation {name}.points[{i}]")
         where = f"validation {name}.points[{i}]"
         if (spec["published"] is None) == (spec["expect"]["min"] is None and spec["expect"]["max"] is None):
             raise ConfigError(f"{where}: give either 'published' or 'expect' (min and/or max), not both or neither")
-        allowed = LINK_METRICS if spec["kind"] == "link" else tuple(SIM_METRICS)
+        allowed = LINK_METRICS if spec["kind"] == "link" else tuple(SIM_METRICS) + STAGE_METRICS
+        if pool:
+            allowed = STAGE_METRICS
         if spec["metric"] not in allowed:
             raise ConfigError(f"{where}.metric: must be one of {list(allowed)}, got {spec['metric']!r}")
+        if spec["stage"] is not None and spec["metric"] not in STAGE_METRICS:
+            raise ConfigError(f"{where}.stage: only the means {list(STAGE_METRICS)} are read per stage")
+        if spec["vs"] is not None and spec["published"] is None:
+            raise ConfigError(f"{where}.vs: a direction needs a published number at both ends ('published')")
         if spec["kind"] == "link" and spec["bytes_per_copy"] is None:
             raise ConfigError(f"{where}.bytes_per_copy: a link point needs the bytes of one copy")
         vf.points.append(Point(name, spec))
+    by_id = {p.id: p for p in vf.points}
+    for i, p in enumerate(vf.points):
+        ref = p.spec["vs"]
+        if ref is None:
+            continue
+        if ref not in by_id or ref == p.id:
+            raise ConfigError(
+                f"validation {name}.points[{i}].vs: no other point {ref!r} in the file (ids: {sorted(by_id)})"
+            )
+        if by_id[ref].spec["published"] is None or by_id[ref].spec["metric"] != p.spec["metric"]:
+            raise ConfigError(
+                f"validation {name}.points[{i}].vs: {ref!r} must publish the same metric ({p.spec['metric']})"
+            )
+        p.base = by_id[ref]
     return vf
 
 
@@ -195,27 +278,75 @@ def _key(overrides: dict[str, Any] | None) -> str:
     return json.dumps(overrides or {}, sort_keys=True)
 
 
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """What a point reads of one finished request: send time, first token, last token, tokens out."""
+
+    arrival: float
+    first_token: float
+    finish: float
+    output_tokens: int
+
+
 class Predictor:
     """Runs the simulations the points need, each once; ``extra`` overrides apply to every config (fits)."""
 
     def __init__(self, extra: Callable[[ValidationFile], dict[str, Any]] | None = None) -> None:
         self.extra = extra
         self.cache: dict[tuple, dict[str, dict[str, Any]]] = {}
+        self.finished: dict[tuple, dict[str, list[Finished]]] = {}
         self.simulations = 0
 
-    def results(self, vf: ValidationFile, overrides: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    def _key(self, vf: ValidationFile, overrides: dict[str, Any] | None) -> tuple:
         extra = self.extra(vf) if self.extra is not None else {}
-        key = (vf.name, _key(overrides), _key(extra))
-        if key not in self.cache:
-            cfg = config_from_raw(vf.raw, vf.name, {**extra, **(overrides or {})})
-            workload = generate(cfg["workload"], cfg["seed"])
-            runs = {}
-            for i in range(len(cfg["runs"])):
-                res = Simulator(setup(cfg, i), workload).run()
+        return (vf.name, _key(overrides), _key(extra))
+
+    def _run(self, vf: ValidationFile, overrides: dict[str, Any] | None) -> tuple:
+        key = self._key(vf, overrides)
+        if key in self.cache:
+            return key
+        extra = self.extra(vf) if self.extra is not None else {}
+        given = {**extra, **(overrides or {})}
+        cfg = config_from_raw(vf.raw, vf.name, given)
+        replicas: list[int | None] = [None]
+        if vf.pool_replicas:
+            sp = cfg["workload"].get("shared_prefix")
+            if sp is None:
+                raise ConfigError(
+                    f"validation {vf.name}.pool_replicas: pools the servers of a workload.shared_prefix "
+                    "with replicas N; this workload has no shared_prefix section"
+                )
+            replicas = list(range(shared_prefix.parse(sp)["replicas"]))
+        runs: dict[str, dict[str, Any]] = {}
+        done: dict[str, list[Finished]] = {}
+        for rep in replicas:
+            c = (
+                cfg
+                if rep is None
+                else config_from_raw(vf.raw, vf.name, {**given, "workload.shared_prefix.replica": rep})
+            )
+            workload = generate(c["workload"], c["seed"])
+            for i in range(len(c["runs"])):
+                sim = Simulator(setup(c, i), workload)
+                res = sim.run()
                 self.simulations += 1
-                runs[res["run"]] = res
-            self.cache[key] = runs
-        return self.cache[key]
+                runs.setdefault(res["run"], res)
+                done.setdefault(res["run"], []).extend(
+                    Finished(r.arrival, r.first_token, r.finish, r.output_tokens)
+                    for r in sim.records.values()
+                    if r.finish >= 0 and r.first_token >= 0
+                )
+        self.cache[key] = runs
+        self.finished[key] = done
+        return key
+
+    def results(self, vf: ValidationFile, overrides: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+        """Each run's results document (of server 0 when the file pools servers)."""
+        return self.cache[self._run(vf, overrides)]
+
+    def requests(self, vf: ValidationFile, overrides: dict[str, Any] | None) -> dict[str, list[Finished]]:
+        """Each run's finished requests (of every server when the file pools them)."""
+        return self.finished[self._run(vf, overrides)]
 
     def predict(self, vf: ValidationFile, p: Point) -> float:
         s = p.spec
@@ -229,15 +360,83 @@ class Predictor:
         name = s["run"] or next(iter(runs))
         if name not in runs:
             raise ConfigError(f"validation {vf.name}.{p.id}.run: no run {name!r} (runs: {list(runs)})")
+        if s["relative_to"] is not None and s["relative_to"] not in runs:
+            raise ConfigError(
+                f"validation {vf.name}.{p.id}.relative_to: no run {s['relative_to']!r} (runs: {list(runs)})"
+            )
+        if s["metric"] in STAGE_METRICS:
+            done = self.requests(vf, s["overrides"])
+            stages = self._stages(vf, p)
+            if stages is not None and stages[1] > 0:
+                for run_name in {name, s["relative_to"] or name}:
+                    check_drained(done[run_name], stages, f"validation {vf.name}.{p.id} ({run_name})")
+            value = stage_metric(done[name], s["metric"], s["stage"], stages)
+            if s["relative_to"] is not None:
+                base = stage_metric(done[s["relative_to"]], s["metric"], s["stage"], stages)
+                value = value / base if base else math.inf
+            return value
         value = SIM_METRICS[s["metric"]](runs[name])
         if s["relative_to"] is not None:
-            if s["relative_to"] not in runs:
-                raise ConfigError(
-                    f"validation {vf.name}.{p.id}.relative_to: no run {s['relative_to']!r} (runs: {list(runs)})"
-                )
             base = SIM_METRICS[s["metric"]](runs[s["relative_to"]])
             value = value / base if base else math.inf
         return value
+
+    def _stages(self, vf: ValidationFile, p: Point) -> tuple[list[tuple[float, float]], float] | None:
+        """The shared-prefix stages and their gap, when the point reads one stage."""
+        if p.spec["stage"] is None:
+            return None
+        sp = config_from_raw(vf.raw, vf.name, p.spec["overrides"] or {})["workload"].get("shared_prefix")
+        if sp is None:
+            raise ConfigError(
+                f"validation {vf.name}.{p.id}.stage: stages are a workload.shared_prefix's; this has none"
+            )
+        spec = shared_prefix.parse(sp)
+        if not 0 <= p.spec["stage"] < len(spec["stages"]):
+            raise ConfigError(
+                f"validation {vf.name}.{p.id}.stage: the workload has stages 0 to {len(spec['stages']) - 1}, "
+                f"got {p.spec['stage']}"
+            )
+        return spec["stages"], spec["stage_gap_s"]
+
+
+def check_drained(done: list[Finished], stages: tuple[list[tuple[float, float]], float], where: str) -> None:
+    """Refuse stages that overlap: with a ``stage_gap_s`` the client waits for each stage to drain.
+
+    inference-perf starts a stage only after every request of the previous one has finished; the
+    simulation stands for that only if each stage's last request finished before the next stage's
+    first was sent.
+    """
+    starts = shared_prefix.stage_starts(stages[0], stages[1])
+    last: dict[int, float] = {}
+    for r in done:
+        k = shared_prefix.stage_of(r.arrival, stages[0], stages[1])
+        last[k] = max(last.get(k, 0.0), r.finish)
+    for k, t in sorted(last.items()):
+        if k + 1 < len(starts) and t > starts[k + 1]:
+            raise ConfigError(
+                f"{where}: stage {k}'s last request finished at {t:.1f} s, after stage {k + 1} started at "
+                f"{starts[k + 1]:.1f} s; the client waits for a stage to drain, so raise "
+                "workload.shared_prefix.stage_gap_s"
+            )
+
+
+def stage_metric(
+    done: list[Finished], metric: str, stage: int | None, stages: tuple[list[tuple[float, float]], float] | None
+) -> float:
+    """A mean of :data:`STAGE_METRICS` over the requests sent in ``stage`` (all of them for ``None``)."""
+    if stage is not None:
+        assert stages is not None, "a stage's metric needs the stages"
+        done = [r for r in done if shared_prefix.stage_of(r.arrival, stages[0], stages[1]) == stage]
+    if not done:
+        return math.nan
+    ttft = sum(r.first_token - r.arrival for r in done) / len(done)
+    e2e = sum(r.finish - r.arrival for r in done) / len(done)
+    if metric == "ttft_mean_s":
+        return ttft
+    if metric == "e2e_mean_s":
+        return e2e
+    tokens = sum(r.output_tokens for r in done) / len(done)
+    return (e2e - ttft) / (tokens - 1) * 1e3 if tokens > 1 else math.nan
 
 
 def link_metric(link: Any, spec: dict[str, Any]) -> float:
@@ -289,13 +488,15 @@ def table(points: list[Point]) -> str:
     """Predicted against published, one row per point; sources are listed below by number."""
     head = (
         f"{'#':>2} {'point':34} {'GPU':14} {'metric':15} {'predicted':>10} {'published':>11} {'ratio':>6} "
-        f"{'use':5} {'status'}"
+        f"{'use':5} {'dir':8} {'status'}"
     )
     lines = [head, "-" * len(head)]
     sources: list[str] = []
+    row_of = {(p.file, p.id): i for i, p in enumerate(points, 1)}
     for i, p in enumerate(points, 1):
         s = p.spec
-        metric = s["metric"] + (f" / {s['relative_to']}" if s["relative_to"] else "")
+        metric = s["metric"] + (f"@{s['stage']}" if s["stage"] is not None else "")
+        metric += f" / {s['relative_to']}" if s["relative_to"] else ""
         ratio = f"{p.ratio:6.2f}" if p.ratio is not None else "     -"
         if p.ok:
             status = "ok"
@@ -307,7 +508,7 @@ def table(points: list[Point]) -> str:
             status += f": {s['reason']}"
         lines.append(
             f"{i:2d} {p.id[:34]:34} {p.hardware[:14]:14} {metric[:15]:15} {p.predicted:10.4g} "
-            f"{p.published_text:>11} {ratio} {'fit' if s['fit'] else 'check':5} {status}"
+            f"{p.published_text:>11} {ratio} {'fit' if s['fit'] else 'check':5} {_direction_text(p, row_of):8} {status}"
         )
         sources.append(f"[{i}] {s['source']}")
     n_ok = sum(p.ok for p in points)
@@ -317,9 +518,22 @@ def table(points: list[Point]) -> str:
         f"{n_ok}/{len(points)} points within tolerance or of the published shape; "
         f"{sum(p.ok for p in checks)}/{len(checks)} of the points not used in any fit."
     )
+    pairs = [p for p in points if p.direction is not None]
+    if pairs:
+        lines.append(
+            f"Direction of change (dir: from the row after # to this one) the same as published in "
+            f"{sum(bool(p.direction) for p in pairs)} of {len(pairs)} pairs."
+        )
     lines.append("")
     lines.extend(sources)
     return "\n".join(lines)
+
+
+def _direction_text(p: Point, row_of: dict[tuple[str, str], int]) -> str:
+    """``same #N`` or ``REV #N`` against the point ``vs`` names (row ``N``), blank without one."""
+    if p.direction is None or p.base is None:
+        return ""
+    return f"{'same' if p.direction else 'REV'} #{row_of[(p.base.file, p.base.id)]}"
 
 
 def rows(points: list[Point]) -> list[dict[str, Any]]:
@@ -338,6 +552,9 @@ def rows(points: list[Point]) -> list[dict[str, Any]]:
             "fit": p.spec["fit"],
             "source": p.spec["source"],
             "reason": p.spec["reason"],
+            "stage": p.spec["stage"],
+            "vs": p.spec["vs"],
+            "direction_same": p.direction,
         }
         for p in points
     ]
