@@ -150,8 +150,8 @@ class BlockPool:
             if hit is None:
                 break
             # An entry is a block or a plain dict of blocks (pool_cache); a class test is cheaper than
-            # isinstance here, one per probed block (lookups were 14% of the replay, bench_block_pool.py).
-            out.append(hit if hit.__class__ is not dict else next(iter(hit.values())))  # type: ignore[union-attr]
+            # isinstance here, one per probed block (lookups: 17% of the replay under cProfile, bench_block_pool.py).
+            out.append(hit if hit.__class__ is not dict else next(iter(hit.values())))  # type: ignore[arg-type]
         return out
 
     def get_num_free_blocks(self) -> int:
