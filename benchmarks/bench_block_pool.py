@@ -20,7 +20,10 @@ Three sections, each measured in this run:
 compiled (mypyc) or as pure Python.  Where vLLM's source cannot be had (no
 cache, no network) the vLLM columns are left out and the script says why.
 
-Usage: python benchmarks/bench_block_pool.py [--requests N] [--json PATH] [--queues]
+``--clock cpu`` times the pool-call replays in this process's CPU seconds
+(``time.process_time``) instead of the wall clock, for a loaded shared machine.
+
+Usage: python benchmarks/bench_block_pool.py [--requests N] [--json PATH] [--queues] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -207,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-only", action="store_true", help="only the pool-call section")
     ap.add_argument("--queues", action="store_true", help="also compare free-queue representations")
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--clock", choices=["wall", "cpu"], default="wall", help="pool-call replays: wall clock or process CPU time"
+    )
     args = ap.parse_args(argv)
+    pl.clock = time.process_time if args.clock == "cpu" else time.perf_counter
 
     compiled = getattr(tiered_kv.core, "COMPILED", False)
     trace = make_trace(args.requests, seed=args.seed)

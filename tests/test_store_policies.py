@@ -251,3 +251,38 @@ def test_a_users_policy_registers_by_name_once(monkeypatch):
         register_cache_policy("fifo", store_policy_fifo.FIFOPolicy)
     with pytest.raises(InvalidArgumentError, match="cls must be a CachePolicy subclass"):
         register_cache_policy("dict", dict)
+
+
+def test_a_users_per_key_hooks_see_each_key_in_order_through_the_batched_calls(monkeypatch):
+    """The store calls ``insert_all`` / ``mark_*_all`` once per call; a policy with per-key hooks only gets each key."""
+    import store_policy_fifo
+
+    seen: list[tuple[str, object]] = []
+
+    class Recording(store_policy_fifo.FIFOPolicy):
+        def insert(self, key, req):
+            seen.append(("insert", key))
+            super().insert(key, req)
+
+        def mark_evictable(self, key):
+            seen.append(("evictable", key))
+
+        def mark_non_evictable(self, key):
+            seen.append(("pinned", key))
+
+    monkeypatch.setattr("tiered_kv.tiers.policies.factory.CACHE_POLICIES", dict(CACHE_POLICIES))
+    register_cache_policy("recording", Recording)
+    store = CPUStore(5, "recording")
+    store.prepare_store(["a", "b", "c"])
+    store.complete_store(["c", "a", "b"])
+    store.prepare_load(["b", "a"])
+    store.prepare_load(["a", "c"])  # a is pinned already: only c changes evictability
+    store.complete_load(["a", "b"])  # a keeps one load: only b becomes evictable
+    assert seen == [
+        *(("insert", k) for k in "abc"),
+        *(("evictable", k) for k in "cab"),
+        ("pinned", "b"),
+        ("pinned", "a"),
+        ("pinned", "c"),
+        ("evictable", "b"),
+    ]

@@ -78,6 +78,19 @@ CASES = [
         r"preempted_req_ids\[0\]",
         lambda s, a: s.on_schedule_end((), [[1]]),
     ),
+    # A list of ids takes a one-pass set() check; a bad id after good ones is still named.
+    (
+        "schedule end None id",
+        InvalidArgumentError,
+        r"new_req_ids\[1\].*None",
+        lambda s, a: s.on_schedule_end(["A", None]),
+    ),
+    (
+        "schedule end unhashable after a good id",
+        InvalidArgumentError,
+        r"preempted_req_ids\[1\]",
+        lambda s, a: s.on_schedule_end(("A",), ["A", {}]),
+    ),
     ("reset with copies in flight", BlockStateError, "in flight", lambda s, a: s.reset_cache()),
 ]
 

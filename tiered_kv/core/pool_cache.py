@@ -86,29 +86,6 @@ def cache_range(
     return skipped
 
 
-def cache_one(own: list[KVCacheBlock], cmap: CacheMap, block: object, h: BlockHash) -> bool:
-    """Cache one unhashed block of this pool under ``h``; ``False`` (nothing done) for any other block.
-
-    The decode step's call, kept apart from ``cache_range``'s loop: one block
-    needs no undo, and a block this does not take (foreign, null, already
-    hashed, not a block) goes to ``cache_range``, which takes it or says why not.
-    """
-    if not isinstance(block, KVCacheBlock) or block.block_hash is not None or block.is_null:
-        return False
-    i = block.block_id
-    if i >= len(own) or own[i] is not block:
-        return False
-    block.block_hash = h
-    entry = cmap.get(h)
-    if entry is None:
-        cmap[h] = block
-    elif isinstance(entry, KVCacheBlock):
-        cmap[h] = {entry.block_id: entry, i: block}
-    else:
-        entry[i] = block
-    return True
-
-
 def _listed_in(blocks: Sequence[KVCacheBlock], first: int, end: int, block: KVCacheBlock) -> bool:
     for j in range(first, end):
         if blocks[j] is block:

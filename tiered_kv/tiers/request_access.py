@@ -52,6 +52,6 @@ class RequestAccess:
         """The seen keys head to tail: by position when every one has one, else in the order seen."""
         pos = self.context._positions
         keys = self.order
-        if all(key in pos for key in keys):
+        if pos.keys() >= self.seen:  # every seen key has a position (``seen`` is ``set(order)``), tested in C
             return sorted(keys, key=pos.__getitem__)
         return list(keys)

@@ -280,6 +280,17 @@ def check_keys(name: str, keys: object) -> Sequence[Key]:
     return seq
 
 
+def keys_and_set(name: str, keys: object) -> tuple[Sequence[Key], set[Key]]:
+    """``(check_keys(name, keys), key_set(name, keys))`` in one pass: the checked keys and their set.
+
+    A store that needs both (C-level subset and disjointness tests against its
+    own sets instead of a Python loop per key) builds the set once.
+    """
+    if keys.__class__ is not list and keys.__class__ is not tuple:
+        keys = as_keys(name, keys)
+    return keys, key_set(name, keys)  # type: ignore[return-value]
+
+
 def key_set(name: str, keys: object) -> set[Key]:
     """``set(keys)``, once ``keys`` has passed the checks of :func:`check_keys`; else raise as it says.
 

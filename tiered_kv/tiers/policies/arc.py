@@ -92,6 +92,24 @@ class ARCPolicy(CachePolicy):
         self._b1.pop(key, None)
         self._b2.pop(key, None)
 
+    def insert_all(self, keys: Sequence[Key], req: RequestAccess | None) -> None:
+        # ``insert`` per key, without a method call per key; with no ghosts (most of a run
+        # below capacity) there is nothing to clear, so T1 takes the keys in one C-level update.
+        t1, b1, b2 = self._t1, self._b1, self._b2
+        if b1 or b2:
+            for key in keys:
+                t1[key] = None
+                b1.pop(key, None)
+                b2.pop(key, None)
+        else:
+            t1.update(dict.fromkeys(keys))
+
+    def mark_evictable_all(self, keys: Sequence[Key]) -> None:
+        return  # ARC reads evictability from the store's predicate at eviction: nothing to do per key
+
+    def mark_non_evictable_all(self, keys: Sequence[Key]) -> None:
+        return
+
     def remove(self, key: Key) -> None:
         if self._t1.pop(key, _MISSING) is _MISSING:
             del self._t2[key]

@@ -5,11 +5,14 @@ counts and the pending/ready state belong to the store (one owner per fact): it
 tells the policy what it needs through two predicates given at construction
 (``is_ready``) and at eviction (``evictable``), and through the
 ``mark_evictable`` / ``mark_non_evictable`` calls at every change of a key's
-evictability.
+evictability (made through their batched forms, ``mark_evictable_all`` /
+``mark_non_evictable_all``, once per call of the store: a method call per key
+costs more than most policies' work for it).
 
 The hooks and when the store calls them are vLLM 0.33's:
 
-* ``insert(key, req)``: a store reserved ``key`` for request ``req`` (pending);
+* ``insert(key, req)``: a store reserved ``key`` for request ``req`` (pending); the store
+  calls it through ``insert_all(keys, req)``, once per ``prepare_store``;
 * ``remove(key)``: a failed store or a ``remove`` dropped it (no ghost entry);
 * ``touch(keys, req)``: an explicit use;
 * ``on_store_miss(keys, req)``: ``req`` offered absent keys (ARC learns from ghosts);
@@ -88,6 +91,11 @@ class CachePolicy(abc.ABC):
     def insert(self, key: Key, req: RequestAccess | None) -> None:
         """Add a key the store just reserved (pending, so not evictable yet)."""
 
+    def insert_all(self, keys: Sequence[Key], req: RequestAccess | None) -> None:
+        """``insert`` of each key, in order (one call per ``prepare_store``, so a policy may batch it)."""
+        for key in keys:
+            self.insert(key, req)
+
     @abc.abstractmethod
     def remove(self, key: Key) -> None:
         """Forget a resident key without treating it as an eviction."""
@@ -130,6 +138,11 @@ class CachePolicy(abc.ABC):
     def mark_non_evictable(self, key: Key) -> None:
         """``key`` stopped being evictable (a load pinned it)."""
         return
+
+    def mark_non_evictable_all(self, keys: Sequence[Key]) -> None:
+        """``mark_non_evictable`` of each key, in order (one call per ``prepare_load``, so a policy may batch it)."""
+        for key in keys:
+            self.mark_non_evictable(key)
 
     def check_invariants(self) -> None:
         """Assert the policy's own invariants (for tests and debugging)."""
