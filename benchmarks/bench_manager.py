@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _trace import make_trace
 
 from tiered_kv.core import Request
-from tiered_kv.manager import CostModel, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.transfer import TransferHandle, TransferPlan, TransferStatus
 
@@ -95,7 +95,9 @@ def run(
         prefill_tokens_per_s=20_000.0,
     )
     tm = TierManager(
-        gpu_blocks, cpu_blocks, BLOCK_SIZE, InstantCopyEngine(), cost_model=cm, offload=offload, hash_fn=hash_fn
+        ManagerConfig(gpu_blocks, cpu_blocks, BLOCK_SIZE, offload=offload, hash_fn=hash_fn),
+        InstantCopyEngine(),
+        cost_model=cm,
     )
     sched = Scheduler(
         tm,

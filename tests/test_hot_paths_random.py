@@ -34,7 +34,7 @@ from tierutil import NS, host
 
 from tiered_kv.core import Request
 from tiered_kv.errors import PlanError
-from tiered_kv.manager import CostModel, Residency, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, Residency, TierManager
 from tiered_kv.manager.victim_policy import CostAwarePolicy
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.storage.spec import KVSpec
@@ -129,17 +129,17 @@ def drive(
         per_copy_overhead_s=p["overhead"],
         prefill_tokens_per_s=1e4,
     )
-    tm = (TierManager if skip else PlainPathTierManager)(
+    config = ManagerConfig(
         p["gpu"],
         p["cpu"],
         bs,
-        eng,
-        cost_model=cm,
         offload=p["offload"],
         enable_caching=p["caching"],
         evict_window=p["evict_window"],
-        kv_spec=spec if p["layerwise"] else None,
         store_policy=p["store_policy"],
+    )
+    tm = (TierManager if skip else PlainPathTierManager)(
+        config, eng, cost_model=cm, kv_spec=spec if p["layerwise"] else None
     )
     closers: list = []
     if p["disk"]:

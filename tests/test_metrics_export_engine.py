@@ -17,10 +17,10 @@ import urllib.request
 from collections import Counter
 
 import pytest
+from engine_configs import engine_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiered_kv.engine.engine import Engine
-from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, MissingDependencyError
 from tiered_kv.manager.outcomes import Completion
 from tiered_kv.obs import LATENCY_BUCKETS_S, decision_reason
@@ -138,7 +138,7 @@ def workload(engine: Engine) -> None:
 
 
 def make_engine(copy_engine=Synchronous, **kw) -> tuple[Engine, list[Completion]]:
-    config = EngineConfig(num_gpu_blocks=18, num_cpu_blocks=12, mode="auto", offload="write_through", **kw)
+    config = engine_config(num_gpu_blocks=18, num_cpu_blocks=12, mode="auto", offload="write_through", **kw)
     e = Engine(config=config, copy_engine=copy_engine)
     applied: list[Completion] = []
     e.scheduler.completion_observers.append(applied.append)
@@ -233,7 +233,7 @@ def test_serving_twice_is_refused_and_closing_twice_is_fine():
 def test_a_bad_metrics_port_fails_before_the_engine_starts_anything(port):
     before = set(threading.enumerate())
     with pytest.raises(InvalidArgumentError, match="metrics port must be an int from 0 to 65535"):
-        Engine(config=EngineConfig(num_gpu_blocks=8, metrics_port=port))
+        Engine(config=engine_config(num_gpu_blocks=8, metrics_port=port))
     assert set(threading.enumerate()) == before
 
 
@@ -241,4 +241,4 @@ def test_without_prometheus_client_the_port_fails_with_the_extra_to_install(monk
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as on an install without the extra
     monkeypatch.delitem(sys.modules, "tiered_kv.obs.prometheus", raising=False)
     with pytest.raises(MissingDependencyError, match=r"pip install 'tiered-kv\[metrics\]'"):
-        Engine(config=EngineConfig(num_gpu_blocks=8, metrics_port=0))
+        Engine(config=engine_config(num_gpu_blocks=8, metrics_port=0))

@@ -13,7 +13,7 @@ from test_scheduler import drive, four, make
 
 from tiered_kv.core import BlockStored, KVCacheManager, Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
-from tiered_kv.manager import TierManager
+from tiered_kv.manager import ManagerConfig, TierManager
 from tiered_kv.sched import SchedulerConfig
 from tiered_kv.sim.config import setup
 from tiered_kv.sim.simulator import Simulator
@@ -217,7 +217,7 @@ def _random_run(seed: int, skip: bool, mode: str, layerwise: bool) -> list:
     spec = KVSpec(3, 1, 2, "float32", 4)  # 48 bytes of KV per token
     cm = CostModel(kv_bytes_per_token=spec.bytes_per_token, block_size=4, d2h_bytes_per_s=1e12, h2d_bytes_per_s=1e12)
     manager_class = TierManager if skip else PlainPathTierManager
-    tm = manager_class(gpu, cpu, 4, eng, cost_model=cm, kv_spec=spec if layerwise else None)
+    tm = manager_class(ManagerConfig(gpu, cpu, 4), eng, cost_model=cm, kv_spec=spec if layerwise else None)
     config = SchedulerConfig(max_num_batched_tokens=rng.choice([6, 16, 64]), mode=mode, layerwise=layerwise)
     s = Scheduler(tm, config)
     log: list = []

@@ -86,19 +86,20 @@ class Engine:
     ) -> None:
         cfg = checks.instance("config", config if config is not None else EngineConfig(), EngineConfig)
         lower = check_tier_configs(tiers)
-        if lower and not cfg.num_cpu_blocks:
-            raise InvalidArgumentError("tiers below the CPU stage through the CPU tier: num_cpu_blocks=0")
+        mc = cfg.manager
+        if lower and not mc.num_cpu_blocks:
+            raise InvalidArgumentError("tiers below the CPU stage through the CPU tier: manager.num_cpu_blocks=0")
         self.engine_config: EngineConfig = cfg
         self.config = model_config or ModelConfig()
         self.device = device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        spec = self.config.kv_spec(cfg.block_size)
+        spec = self.config.kv_spec(mc.block_size)
         self.tiers = {
-            "GPU": KVStorage(spec, cfg.num_gpu_blocks, "GPU", cfg.layout, device=device),
-            "CPU": KVStorage(spec, max(cfg.num_cpu_blocks, 2), "CPU", cfg.layout),
+            "GPU": KVStorage(spec, mc.num_gpu_blocks, "GPU", cfg.layout, device=device),
+            "CPU": KVStorage(spec, max(mc.num_cpu_blocks, 2), "CPU", cfg.layout),
         }
         self.copy = (copy_engine or make_copy_engine)(self.tiers)
         tm = self._make_manager(cfg, cost_model)
-        self.scheduler = Scheduler(tm, cfg.scheduler_config())
+        self.scheduler = Scheduler(tm, cfg.scheduler)
         self.model = TinyLlama(self.config, device)
         self.outputs: dict[Hashable, list[int]] = {}
         self.logits: dict[Hashable, list[torch.Tensor]] = {}
@@ -110,7 +111,7 @@ class Engine:
         self.tier_stack: TierStack | None = None  # the tiers below the CPU, when there are any
         try:
             if lower:
-                self.tier_stack = self._attach_tiers(tm, cfg.hash_fn, lower)
+                self.tier_stack = self._attach_tiers(tm, str(mc.hash_fn), lower)
             if cfg.metrics_port is not None:
                 self.serve_metrics(cfg.metrics_port)
         except BaseException:
@@ -125,26 +126,15 @@ class Engine:
         spec = self.tiers["GPU"].spec
         cm = cost_model or CostModel(
             kv_bytes_per_token=spec.bytes_per_token,
-            block_size=cfg.block_size,
+            block_size=cfg.manager.block_size,
             d2h_bytes_per_s=10e9,
             h2d_bytes_per_s=10e9,
             prefill_tokens_per_s=20_000.0,
         )
-        return TierManager(
-            cfg.num_gpu_blocks,
-            cfg.num_cpu_blocks,
-            cfg.block_size,
-            self.copy,
-            kv_spec=spec,
-            cost_model=cm,
-            offload=cfg.offload,
-            hash_fn=cfg.hash_fn,
-            evict_window=cfg.evict_window,
-        )
+        return TierManager(cfg.manager, self.copy, kv_spec=spec, cost_model=cm)
 
     def _attach_tiers(self, tm: TierManager, hash_fn: str, tiers: list[TierConfig]) -> TierStack:
         """Build the tiers below the CPU tier and hand them to the manager; on failure close what was built."""
-        assert tm.store is not None, "checked at construction: tiers need a CPU tier"
         cpu = self.tiers["CPU"]
         stack = TierStack(tm.store, cpu, KVNamespace(self.model_id, cpu.spec, f"{hash_fn}/v1/seed=0"), tiers)
         try:

@@ -143,7 +143,7 @@ class PreemptBounds:
             self.released(blocks)
 
     def lower_bounds(
-        self, requests: Sequence[Request], mode: str, swapper: Swapper | None, lookups: bool = True
+        self, requests: Sequence[Request], mode: str, swapper: Swapper, lookups: bool = True
     ) -> list[float]:
         """For each request on the GPU, a value never above ``quote.cost(mode) / quote.blocks_freed``.
 
@@ -151,7 +151,7 @@ class PreemptBounds:
         recompute times; only the swap-out is bounded from below (the blocks
         moved, at least what ``swapper`` finds missing among a few, or only the
         partial tail without ``lookups``; one run).  ``swapper``: the one that
-        would price its swap-out (``None``: no CPU tier).
+        would price its swap-out (without a CPU tier nothing would move).
         """
         cm = self.cost_model
         # Per block, as the cost model prices them (a rounding apart: the policy keeps a margin).
@@ -174,7 +174,7 @@ class PreemptBounds:
             if mode == "recompute":
                 out.append(rec)
                 continue
-            if swapper is None:
+            if not swapper.has_tier:
                 moved = 0
             elif lookups:
                 moved = swapper.moved_at_least(req, n_tok)

@@ -30,32 +30,31 @@ import functools
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
-from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError, UnknownRequestError
-from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE, BoundedLog
+from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.invariants import check_ownership
+from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
 from tiered_kv.manager.preempt_bounds import PreemptBounds
-from tiered_kv.manager.pricing import Quote, checked_cost_model, price
+from tiered_kv.manager.pricing import Quote, checked_cost_model
 from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, Residency
 from tiered_kv.manager.swap import SwappedKV, Swapper
-from tiered_kv.manager.tier_moves import TierMoves
+from tiered_kv.manager.tier_moves import Reserved, TierMoves
 from tiered_kv.manager.transfers import Transfer, Transfers
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.tiers.store import RequestContext
-from tiered_kv.tiers.write_policy import check_write_policy
-from tiered_kv.transfer.engine import CopyEngine
+from tiered_kv.transfer.engine import CopyEngine, GatedCopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
 
 EMPTY_PROMPT = (
@@ -93,7 +92,7 @@ def exclusive(method: F) -> F:
         finally:
             lock.release()
 
-    return guarded  # type: ignore[return-value]
+    return cast(F, guarded)
 
 
 @dataclass(slots=True)
@@ -141,79 +140,43 @@ class TierManager:
     """A prefix-cached GPU pool and a CPU store under one manager.
 
     Args:
-        num_gpu_blocks: GPU pool size, null block included.
-        num_cpu_blocks: CPU store size, reserved block 0 included (0: no CPU tier).
-        block_size: Tokens per block.
+        config: Tier sizes and policies (:class:`~.manager_config.ManagerConfig`).
         copy_engine: Executes plans (``submit``/``cancel``).
         kv_spec: The KV geometry of the tiers; bytes per block come from it.
             Default: the copy engine's (``engine.spec``), else the cost model's.
         cost_model: Swap and recompute estimates; refused if built for another
             KV shape.  Default: one built from ``kv_spec``.
-        offload: CPU prefix-tier policy: ``"none"``, ``"write_through"`` (full
-            prompt blocks stored once computed) or ``"write_back"`` (cached GPU
-            blocks nearing eviction stored first; see :meth:`poll`): the vocabulary of
-            :mod:`~tiered_kv.tiers.write_policy`, shared with the tiers below the CPU.
-        store_policy: Eviction policy of the CPU store (``"lru"``, ``"arc"``).
-        enable_caching: Prefix caching.  Off: nothing is hashed or cached; swaps
-            still work, per request.  ``offload`` needs it.
-        hash_fn / hash_seed: Block hashing (shared by both tiers).
-        evict_window: With ``offload="write_back"``, how many blocks at the
-            eviction end of the GPU free queue are kept stored on the CPU.
-        watermark: vLLM 0.33's KV-cache watermark: a fraction in ``[0, 1)`` of
-            the GPU pool (null block included) that an admission must leave
-            free while other requests run (:attr:`watermark_blocks`); ``0.0``,
-            vLLM's default, keeps none.
-        log_size: Entries :attr:`decision_log` and :attr:`load_log` keep: the
-            latest ones, so a long run's memory does not grow with its
-            requests (each log's ``total`` counts every entry); ``None`` keeps all.
 
     Attributes:
+        config: The settings it was built from.
         decision_log: Why each preemption took its mode (a :class:`~.bounded_log.BoundedLog`
-            of :class:`~.outcomes.Decision`, the latest ``log_size``).
+            of :class:`~.outcomes.Decision`, the latest ``config.log_size``).
     """
 
     def __init__(
         self,
-        num_gpu_blocks: int,
-        num_cpu_blocks: int,
-        block_size: int,
+        config: ManagerConfig,
         copy_engine: CopyEngine,
         *,
         kv_spec: KVSpec | None = None,
         cost_model: CostModel | None = None,
-        offload: str = "none",
-        store_policy: str = "lru",
-        enable_caching: bool = True,
-        hash_fn: str | HashFn = "sha256",
-        hash_seed: int = 0,
-        evict_window: int = 64,
-        log_size: int | None = DEFAULT_LOG_SIZE,
-        watermark: float = 0.0,
     ) -> None:
-        check_write_policy("offload", offload)
-        if num_cpu_blocks.__class__ is not int or num_cpu_blocks < 0 or num_cpu_blocks == 1:
-            raise InvalidArgumentError(
-                f"num_cpu_blocks must be 0 or an int >= 2, got {checks.describe(num_cpu_blocks)}"
-            )
-        checks.flag("enable_caching", enable_caching)
-        checks.count("evict_window", evict_window, 1)
-        if log_size is not None:
-            checks.count("log_size", log_size, 1)
-        if offload != "none" and not enable_caching:
-            raise InvalidArgumentError(f"offload={offload!r} keeps a CPU prefix tier, which needs prefix caching")
+        cfg = checks.instance("config", config, ManagerConfig)
         if not all(callable(getattr(copy_engine, n, None)) for n in ("submit", "cancel")):
             raise InvalidArgumentError(
                 f"copy_engine must have submit() and cancel(), got {checks.describe(copy_engine)}"
             )
-        _check_engine_tiers(copy_engine, num_gpu_blocks, num_cpu_blocks)
+        block_size, enable_caching = cfg.block_size, cfg.enable_caching
+        _check_engine_tiers(copy_engine, cfg.num_gpu_blocks, cfg.num_cpu_blocks)
+        self.config: ManagerConfig = cfg
         #: The GPU pool and every request's block table.
         self.gpu: KVCacheManager = KVCacheManager(
-            num_gpu_blocks,
+            cfg.num_gpu_blocks,
             block_size,
             enable_caching=enable_caching,
-            hash_fn=hash_fn,
-            hash_seed=hash_seed,
-            watermark=watermark,
+            hash_fn=cfg.hash_fn,
+            hash_seed=cfg.hash_seed,
+            watermark=cfg.watermark,
         )
         self.cost_model: CostModel = checked_cost_model(kv_spec, cost_model, copy_engine, block_size)
         spec = kv_spec if kv_spec is not None else getattr(copy_engine, "spec", None)
@@ -221,26 +184,24 @@ class TierManager:
         self.num_layers: int = spec.num_layers if isinstance(spec, KVSpec) else 0
         self.block_size: int = block_size
         self.caching: bool = enable_caching
-        #: The CPU tier (``None`` without one).
-        self.store: CPUStore | None = CPUStore(num_cpu_blocks, store_policy) if num_cpu_blocks else None
-        self.offload: str = offload if self.store is not None else "none"
-        self.evict_window: int = evict_window
+        #: The CPU tier; without one (``num_cpu_blocks=0``) an empty store, which refuses every store,
+        #: so every path runs the same way and nothing asks whether the tier exists.
+        self.store: CPUStore = CPUStore(max(cfg.num_cpu_blocks, 1), cfg.store_policy)
+        #: Whether there is a CPU tier to swap and offload to.
+        self.has_cpu_tier: bool = cfg.num_cpu_blocks > 0
+        self.offload: str = cfg.offload if self.has_cpu_tier else "none"
+        self.evict_window: int = cfg.evict_window
         #: The copies in flight and the blocks each holds.
         self.transfers: Transfers = Transfers(copy_engine, self.gpu.block_pool)
         tr = self.transfers
-        self._bounds: PreemptBounds = PreemptBounds(self.gpu, self.cost_model)  # told of every hold and release
-        b = self._bounds
-        tr.on_hold, tr.on_release = b.acquired, b.released
-        self._swap: Swapper | None = (
-            Swapper(self.gpu, self.store, tr, enable_caching, b.free_table, b.acquired) if self.store else None
-        )
+        # Told of every hold and release of a GPU block, by the manager alone (its parts never call up).
+        self._bounds: PreemptBounds = PreemptBounds(self.gpu, self.cost_model)
+        self._swap: Swapper = Swapper(self.gpu, self.store, tr, enable_caching)
         #: The CPU store's view of each admitted request that has not finished (vLLM 0.33's request scope).
         self._store_requests: dict[Hashable, RequestContext] = {}
-        self._off: Offloader | None = (
-            Offloader(self.gpu, self.store, tr, b.free_table, self._store_requests) if self.store else None
-        )
+        self._off: Offloader = Offloader(self.gpu, self.store, tr, self._store_requests)
         self._counters: TierCounters = TierCounters()  # read through the live ``counters`` property
-        self.decision_log: BoundedLog[Decision] = BoundedLog(log_size)
+        self.decision_log: BoundedLog[Decision] = BoundedLog(cfg.log_size)
         self._lower: TierMoves | None = None  # the tiers below the CPU store, once attached
         self._held: dict[Hashable, Held] = {}
         # Requests given GPU blocks for the current step (admitted, or allocated) -> the progress they reach
@@ -301,7 +262,7 @@ class TierManager:
         if found is not None:
             keys = found.keys
         else:
-            keys = self._off.cpu_hits(request, len(gpu_hits)) if self._off is not None and self.caching else []
+            keys = self._off.cpu_hits(request, len(gpu_hits)) if self.caching else []
         n_cpu = len(keys) * self.block_size
         rest = request.num_tokens - n_gpu - n_cpu
         if not chunked and rest > max_new_tokens:
@@ -311,9 +272,11 @@ class TierManager:
         need = self.gpu.num_free_blocks_required(request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, **gates)
         if need > self.gpu.block_pool.get_num_free_blocks():
             return None
+        staged: tuple[TierMoves, Reserved] | None = None
         if found is not None:  # fits: pin and stage now (fewer blocks need no more room)
-            reserved = lower.reserve(found)  # type: ignore[union-attr]
-            keys, n_cpu = reserved.keys, len(reserved.keys) * self.block_size
+            assert lower is not None, "only the tiers below the CPU find prefixes there"
+            staged = lower, lower.reserve(found)
+            keys, n_cpu = staged[1].keys, len(staged[1].keys) * self.block_size
             n_new = min(max_new_tokens, request.num_tokens - n_gpu - n_cpu)
         new = self.gpu.allocate_slots(
             request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, num_external_computed_tokens=n_cpu, **gates
@@ -324,15 +287,12 @@ class TierManager:
         h = self._held[rid] = Held(request, Residency.GPU)
         self._batched[rid] = n_gpu + n_cpu + n_new
         self._open_in_store(request)
-        self._counters.count_lookup(
-            request.num_tokens, n_gpu, n_cpu, self.store is not None, request.num_preemptions > 0
-        )
+        self._counters.count_lookup(request.num_tokens, n_gpu, n_cpu, self.has_cpu_tier, request.num_preemptions > 0)
         plan = None
         if keys:
-            assert self._off is not None
             dst = list(self.gpu.get_blocks(rid)[len(gpu_hits) : len(gpu_hits) + len(keys)])
-            if found is not None:  # staging through the CPU tier: nothing to cancel until the GPU copy starts
-                t, staging = lower.start(reserved, dst, n_gpu)  # type: ignore[union-attr]
+            if staged is not None:  # staging through the CPU tier: nothing to cancel until the GPU copy starts
+                t, staging = staged[0].start(staged[1], dst, n_gpu)
             else:
                 t, staging = self._off.start_load(request, keys, dst, n_gpu + n_cpu), False
             h.residency, h.plan_id, plan = Residency.LOADING, None if staging else t.plan.plan_id, t.plan
@@ -391,12 +351,7 @@ class TierManager:
     @exclusive
     def quote(self, request_id: Hashable) -> Quote:
         """What preempting a request whose KV is on the GPU would cost, by swap and by recompute."""
-        req = self._get(request_id, Residency.GPU).request
-        if self._swap is None:
-            table = self.gpu.get_blocks(request_id)
-            freed = [b.block_id for b in table if b.ref_cnt == 1]
-            return price(self.cost_model, request_id, req.num_computed_tokens, len(table), freed, [], 0, False, False)
-        return self._swap.quote(req, self.cost_model)
+        return self._swap.quote(self._get(request_id, Residency.GPU).request, self.cost_model)
 
     @exclusive
     def preempt(self, request_id: Hashable, mode: str = "auto") -> Preemption | None:
@@ -446,13 +401,13 @@ class TierManager:
             chosen, reason = PreemptMode.RECOMPUTE, f"nothing is computed yet, so there is nothing to swap; {reason}"
         plan = None
         if chosen is PreemptMode.SWAP:
-            assert self._swap is not None
             out = self._swap.start_out(h.request, q.num_tokens)
             if out is None:  # the quote said there was room: only an inconsistent store gets here
                 return None
             if isinstance(out, Transfer):
                 h.residency, h.plan_id, plan = Residency.SWAPPING_OUT, out.plan.plan_id, out.plan
             else:  # every block already on the CPU: swapped at once
+                self._bounds.free_table(h.request)
                 h.residency, h.swapped, h.num_stored_blocks = Residency.CPU, out, 0
             self._counters.preemptions_swap += 1
             now, later = (0, q.blocks_freed) if plan is not None else (q.blocks_freed, 0)
@@ -479,14 +434,17 @@ class TierManager:
         checks.flag("layered", layered)
         if layered and not self.num_layers:
             raise InvalidArgumentError("a layer-wise swap-in needs the KV's layer count: give the manager kv_spec=")
-        assert self._swap is not None and h.swapped is not None
+        assert h.swapped is not None
         out = self._swap.start_in(h.request, h.swapped, self.num_layers if layered else 0)
         if out is None:
             return None
+        hits, t = out
+        if hits:
+            self._bounds.acquired(hits)
         self._tick += 1
-        if isinstance(out, Transfer):
-            h.residency, h.plan_id, h.layered = Residency.SWAPPING_IN, out.plan.plan_id, layered
-            return Resumption(request_id, h.swapped.num_tokens, out.plan)
+        if t is not None:
+            h.residency, h.plan_id, h.layered = Residency.SWAPPING_IN, t.plan.plan_id, layered
+            return Resumption(request_id, h.swapped.num_tokens, t.plan)
         n = h.swapped.num_tokens
         self._swap.finish_in(h.request, h.swapped)
         h.residency, h.swapped = Residency.GPU, None
@@ -533,7 +491,7 @@ class TierManager:
         self._batched.pop(request_id, None)
         ctx = self._store_requests.pop(request_id, None)
         if ctx is not None:  # finished: the store commits the request's recency (its copies may still land)
-            self.store.on_request_finished(ctx)  # type: ignore[union-attr]
+            self.store.on_request_finished(ctx)
 
     @exclusive
     def is_open(self, request_id: Hashable) -> bool:
@@ -542,8 +500,8 @@ class TierManager:
         True from admission until :meth:`free`: while the manager holds the
         request's KV (:meth:`holds`), and also after it lost it without the
         request ending (a recompute victim, a failed or cancelled onboarding, a
-        dropped swap), while its request stays open in the CPU store.  Without
-        a CPU store nothing outlives the KV, and this is :meth:`holds`.
+        dropped swap), while its request stays open in the CPU store (an
+        empty store without a CPU tier: the rule is the same).
         """
         rid = checks.hashable("request_id", request_id)
         return rid in self._held or rid in self._store_requests
@@ -571,8 +529,6 @@ class TierManager:
         request's tail before its head.
         """
         store = self.store
-        if store is None:
-            return
         rid = request.request_id
         ctx = self._store_requests.get(rid)
         if ctx is None:
@@ -589,14 +545,12 @@ class TierManager:
         The step's batch is final: its requests may be chosen as victims again
         in the next step (see :meth:`preempt`).
         """
-        if self.store is not None:
-            self.store.on_schedule_end(new_req_ids, preempted_req_ids)
+        self.store.on_schedule_end(new_req_ids, preempted_req_ids)
         self._batched.clear()
 
     def _forget(self, h: Held) -> None:
         self._bounds.free_table(h.request)
         if h.swapped is not None:
-            assert self._swap is not None
             self._swap.release(h.swapped)
         del self._held[h.request.request_id]
 
@@ -651,7 +605,7 @@ class TierManager:
             )
         if self.offload != "write_through" or not self.num_layers:
             return None
-        if not callable(getattr(self.transfers.engine, "open_layer", None)):
+        if not isinstance(self.transfers.engine, GatedCopyEngine):
             return None
         return self._store_prompt_blocks(h, num_tokens_after_step, self.num_layers)
 
@@ -660,17 +614,21 @@ class TierManager:
         upto = min(num_tokens, h.request.num_prompt_tokens) // self.block_size
         if upto <= h.num_stored_blocks:
             return None
-        assert self._off is not None
         t = self._off.write_through(h.request, h.num_stored_blocks, upto, gated_layers)
         h.num_stored_blocks = upto
-        return t.plan if t is not None else None
+        if t is None:
+            return None
+        self._bounds.acquired(t.gpu_holds)
+        return t.plan
 
     @exclusive
     def open_all_layers(self, handle: TransferHandle) -> None:
         """Open every layer of a gated store the driver has not opened (its step's compute is done)."""
         checks.instance("handle", handle, TransferHandle)
+        engine = self.transfers.engine
+        assert isinstance(engine, GatedCopyEngine), "gated plans are made only for engines that open layers"
         for layer in range(handle.num_opened, handle.plan.num_layers):
-            self.transfers.engine.open_layer(handle, layer)  # type: ignore[attr-defined]
+            engine.open_layer(handle, layer)
 
     # ============================================== settling of final copies
     # Copies complete on the engine's side; the manager learns of them only at poll (every final copy,
@@ -688,8 +646,9 @@ class TierManager:
         done = [c for t in self.transfers.finished() if (c := self._settle(t)) is not None]
         self._drain_events()
         if self.offload == "write_back":
-            assert self._off is not None
-            self._off.save_window(self.evict_window)
+            t = self._off.save_window(self.evict_window)
+            if t is not None:
+                self._bounds.acquired(t.gpu_holds)
         if self._lower is not None:
             self._lower.tick()
         return done
@@ -731,28 +690,40 @@ class TierManager:
         return self.transfers.wait(checks.timeout("timeout", timeout))
 
     def _settle(self, t: Transfer) -> Completion | None:
-        if self._lower is not None and self._lower.owns(t):
-            return self._settle_staged(t)
+        lower = self._lower
+        if lower is not None and lower.owns(t):
+            return self._settle_staged(lower, t)
         kind, rid = t.plan.kind, t.plan.request_id
         ok, n_tok = t.ok, 0
         if kind is PlanKind.OFFLOAD:
-            self._off.settle_store(t)  # type: ignore[union-attr]
+            released = self._off.settle_store(t)
+            if released:
+                self._bounds.released(released)
         else:
             h = self._held[rid]
             h.plan_id, h.layered = None, False
             swap = self._swap
             if kind is PlanKind.ONBOARD:
-                loaded = self._off.settle_load(h.request, t)  # type: ignore[union-attr]
+                loaded = self._off.settle_load(h.request, t)
                 n_tok = h.num_hit_tokens + loaded if ok else 0
                 new = Residency.GPU if ok else None  # a failed load leaves nothing: recompute from scratch
+                if not ok:
+                    self._bounds.free_table(h.request)
             elif kind is PlanKind.SWAP_OUT:
-                h.swapped = swap.settle_out(t)  # type: ignore[union-attr]
+                h.swapped = swap.settle_out(t)
                 ok = h.swapped is not None  # landed but the KV is not whole on the CPU: rolled back
                 new, h.num_stored_blocks = (Residency.CPU if ok else Residency.GPU), 0
+                if ok:
+                    self._bounds.free_table(h.request)
             else:
-                ok = swap.settle_in(h.request, t)  # type: ignore[union-attr]
-                n_tok, new = (h.swapped.num_tokens, Residency.GPU) if ok else (0, Residency.CPU)  # type: ignore[union-attr]
-                h.swapped = None if ok else h.swapped
+                swapped = h.swapped
+                assert swapped is not None
+                ok = swap.settle_in(h.request, t)
+                n_tok, new = (swapped.num_tokens, Residency.GPU) if ok else (0, Residency.CPU)
+                if ok:
+                    h.swapped = None
+                else:
+                    self._bounds.free_table(h.request)
             if new is None:
                 del self._held[rid]
             else:
@@ -764,9 +735,9 @@ class TierManager:
         why = None if err is None else f"{type(err).__name__}: {err}"
         return Completion(t.plan.plan_id, rid, kind, ok, n_tok, res, t.handle.num_bytes, t.handle.elapsed_s, why)
 
-    def _settle_staged(self, t: Transfer) -> Completion | None:
+    def _settle_staged(self, lower: TierMoves, t: Transfer) -> Completion | None:
         """A move of the chain settled; the last staging move of a load starts its GPU copy, or ends the load."""
-        out = self._lower.settle(t)  # type: ignore[union-attr]
+        out = lower.settle(t)
         if out is None:
             return None
         rid, gpu_copy = out
@@ -809,7 +780,7 @@ class TierManager:
         """
         if self._lower is not None:
             raise InvalidTransitionError("tiers below the CPU are attached already")
-        if self.store is None or self._off is None or not self.caching:
+        if not self.has_cpu_tier or not self.caching:
             raise InvalidArgumentError("tiers below the CPU need a CPU tier (num_cpu_blocks > 0) and prefix caching")
         self._lower = TierMoves(
             tiers, self.store, self.transfers, self._off, self.cost_model, self.decision_log.capacity
@@ -891,7 +862,7 @@ class TierManager:
         """
         h = self._get(request_id, Residency.CPU)
         checks.count("num_new_tokens", num_new_tokens)
-        assert self._swap is not None and h.swapped is not None
+        assert h.swapped is not None
         hits = self._swap.gpu_hits(h.request, h.swapped)
         total = -(-(h.swapped.num_tokens + num_new_tokens) // self.block_size)
         return total - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
@@ -934,17 +905,18 @@ class TierManager:
             raise InvalidArgumentError(f"request_ids must be a list or tuple, got {checks.describe(request_ids)}")
         gpu = Residency.GPU
         try:
-            held = list(map(self._held.get, request_ids))
+            found = list(map(self._held.get, request_ids))
         except TypeError:
-            held = [None]  # an unhashable id: _get names it
-        if any(h is None or h.residency is not gpu for h in held):
+            found = [None]  # an unhashable id: _get names it
+        held = [h for h in found if h is not None and h.residency is gpu]
+        if len(held) != len(found):
             held = [self._get(rid, gpu) for rid in request_ids]  # raises, naming the first not on the GPU
-        return self._bounds.lower_bounds([h.request for h in held], mode, self._swap, lookups)  # type: ignore[union-attr]
+        return self._bounds.lower_bounds([h.request for h in held], mode, self._swap, lookups)
 
     @exclusive
     def cpu_room(self) -> int:
         """CPU store blocks a store could take now: free ones plus unpinned cached ones it may evict."""
-        return self.store.num_free + self.store.num_evictable if self.store is not None else 0
+        return self.store.num_free + self.store.num_evictable
 
     @property
     def counters(self) -> TierCounters:
@@ -958,8 +930,7 @@ class TierManager:
         """
         c = self._counters
         c.plans_submitted = self.transfers.submitted
-        if self.store is not None:
-            c.cpu_blocks_evicted = self.store.stats.evictions
+        c.cpu_blocks_evicted = self.store.stats.evictions
         return c
 
     @exclusive
@@ -986,5 +957,4 @@ class TierManager:
         if low is not None:
             low.check_invariants()
         self._bounds.check()
-        if self._swap is not None:
-            self._swap.check_tails(h.request for h in self._held.values() if h.residency is Residency.GPU)
+        self._swap.check_tails(h.request for h in self._held.values() if h.residency is Residency.GPU)

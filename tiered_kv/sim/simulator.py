@@ -21,6 +21,7 @@ from typing import Any, cast
 
 from tiered_kv.core.request import Request
 from tiered_kv.errors import TieredKVError
+from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.states import PreemptMode
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
@@ -121,15 +122,17 @@ class Simulator:
         self.engine = SimLink(self.loop, setup.link, geometry, setup.copies, keep_jobs=keep_timeline)
         self.engine.on_submit = self._count_copy
         tm = manager_class(
-            setup.num_gpu_blocks,
-            setup.num_cpu_blocks,
-            setup.block_size,
+            ManagerConfig(
+                setup.num_gpu_blocks,
+                setup.num_cpu_blocks,
+                setup.block_size,
+                offload=setup.offload,
+                hash_fn=setup.hash_fn,
+                enable_caching=setup.prefix_caching,
+                watermark=setup.watermark,
+            ),
             self.engine,
             cost_model=setup.cost_model,
-            offload=setup.offload,
-            hash_fn=setup.hash_fn,
-            enable_caching=setup.prefix_caching,
-            watermark=setup.watermark,
         )
         #: The I/O engine of each tier below the CPU (medium -> engine), when the run has such tiers.
         self.tier_engines = tier_io.attach(tm, self.loop, setup.tiers, geometry.bytes_per_block)
