@@ -43,13 +43,14 @@ from tiered_kv.manager.invariants import check_ownership
 from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
-from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
+from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption, Room
 from tiered_kv.manager.preempt_bounds import PreemptBounds
 from tiered_kv.manager.pricing import Quote, checked_cost_model
-from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, Residency
+from tiered_kv.manager.states import FROM, IN_FLIGHT, MODES, KVState, PreemptMode, Residency, move
 from tiered_kv.manager.swap import SwappedKV, Swapper
 from tiered_kv.manager.tier_moves import Reserved, TierMoves
 from tiered_kv.manager.transfers import Transfer, Transfers
+from tiered_kv.manager.victim_policy import Candidate, VictimPolicy, get_victim_policy
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.lower_tier import LowerTier
@@ -295,7 +296,11 @@ class TierManager:
                 t, staging = staged[0].start(staged[1], dst, n_gpu)
             else:
                 t, staging = self._off.start_load(request, keys, dst, n_gpu + n_cpu), False
-            h.residency, h.plan_id, plan = Residency.LOADING, None if staging else t.plan.plan_id, t.plan
+            h.residency, h.plan_id, plan = (
+                move("admit", None, Residency.LOADING),
+                None if staging else t.plan.plan_id,
+                t.plan,
+            )
             h.num_hit_tokens = n_gpu
         self._tick += 1
         return Admission(new, n_gpu, n_cpu, n_new, plan)
@@ -311,13 +316,33 @@ class TierManager:
         that got its tokens is batched for this step: it is no victim until the
         step ends (see :meth:`preempt`).
         """
+        return self._allocate(request_id, num_new_tokens, num_lookahead_tokens)[1]
+
+    @exclusive
+    def grow(self, request_id: Hashable, num_new_tokens: int) -> int | None:
+        """:meth:`allocate`, and how far the request may grow next without asking: a scheduler's one call per step.
+
+        Returns ``None`` (nothing changed) when the tokens do not fit, else
+        :meth:`quiet_tokens` after the allocation: while a later step keeps
+        ``num_computed_tokens + num_new_tokens`` at most that value, allocating
+        it would change nothing, and a scheduler may skip the call.  The answer
+        holds until the request's KV leaves the GPU or a copy of it settles.
+        """
+        h, new = self._allocate(request_id, num_new_tokens, 0)
+        if new is None:
+            return None
+        return self.gpu.num_quiet_tokens(request_id, delay_cache_blocks=h.residency is not _GPU)
+
+    def _allocate(
+        self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> tuple[Held, list[KVCacheBlock] | None]:
         # A hot path: the lookup of a request on the GPU is inlined; any other case goes through _get.
         try:
             h = self._held.get(request_id)
         except TypeError:
             h = None  # unhashable: _get names the problem
         if h is None or h.residency is not _GPU:
-            h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+            h = self._get(request_id, *FROM["allocate"])
             if not h.layered:
                 h = self._get(request_id, Residency.GPU)  # names the state it is in
             # Its restored blocks are being written: cache nothing until the load lands.
@@ -328,7 +353,7 @@ class TierManager:
             new = self.gpu.allocate_slots(h.request, num_new_tokens, 0, None, num_lookahead_tokens)
         if new is not None:
             self._batched[request_id] = h.request.num_computed_tokens + num_new_tokens
-        return new
+        return h, new
 
     @exclusive
     def quiet_tokens(self, request_id: Hashable) -> int:
@@ -340,7 +365,7 @@ class TierManager:
         settles (a layer-wise load landing starts caching), whichever is first.
         Raises as ``allocate`` does for a request not on the GPU.
         """
-        h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+        h = self._get(request_id, *FROM["allocate"])
         if h.residency is not _GPU:
             if not h.layered:
                 self._get(request_id, Residency.GPU)  # raises, naming the state it is in
@@ -354,7 +379,7 @@ class TierManager:
         return self._swap.quote(self._get(request_id, Residency.GPU).request, self.cost_model)
 
     @exclusive
-    def preempt(self, request_id: Hashable, mode: str = "auto") -> Preemption | None:
+    def preempt(self, request_id: Hashable, mode: str = "auto", *, unschedule: bool = False) -> Preemption | None:
         """Preempt one request whose KV is on the GPU, by the mode its quote chooses under ``mode``.
 
         Recompute frees its GPU blocks now and forgets the request; swap starts
@@ -378,12 +403,18 @@ class TierManager:
         :meth:`poll` (a scheduler's first call in a step) or
         :meth:`on_schedule_end`.
 
+        ``unschedule=True`` is :meth:`unschedule` first: the caller has taken
+        the request out of this step's batch (it stays out whatever the answer).
+
         Raises:
             InvalidTransitionError: the request is not on the GPU, or it is
                 batched in this step.  Nothing changes.
         """
         checks.choice("mode", mode, MODES)
-        h = self._get(request_id, Residency.GPU)
+        checks.flag("unschedule", unschedule)
+        h = self._get(request_id, *FROM["preempt"])
+        if unschedule:
+            self._batched.pop(request_id, None)
         if h.request.num_computed_tokens < self._batched.get(request_id, 0):  # its step is not computed yet
             raise InvalidTransitionError(
                 f"request {request_id!r} was batched in this step (admit or allocate gave it blocks for the "
@@ -391,7 +422,7 @@ class TierManager:
                 "blocks a preemption takes.  Preempt a request not batched yet, or take this one out of the "
                 "batch first (unschedule)"
             )
-        q = self.quote(request_id)
+        q = self._swap.quote(h.request, self.cost_model)
         chosen, reason = q.choose(mode)
         if chosen is None:
             return None
@@ -417,25 +448,36 @@ class TierManager:
             now, later = q.blocks_freed, 0
         self._tick += 1
         self.decision_log.append(Decision(self._tick, request_id, mode, chosen, reason, q))
-        res = h.residency if request_id in self._held else None
+        res = move("preempt", Residency.GPU, h.residency if request_id in self._held else None)
         return Preemption(request_id, chosen, reason, plan, now, later, res)
 
     @exclusive
-    def resume(self, request_id: Hashable, layered: bool = False) -> Resumption | None:
+    def resume(
+        self, request_id: Hashable, layered: bool = False, *, num_new_tokens: int = 0, keep_watermark: bool = False
+    ) -> Resumption | None:
         """Bring a swapped request back: re-hit what is still cached on the GPU, copy the rest in.
 
         ``layered``: copy layer by layer, one completion per layer, so the
         request can compute while its KV lands (layer ``i``'s attention waits
         for layer ``i`` only); it may :meth:`allocate` while SWAPPING_IN, and
-        a failed load rolls back whatever it grew.  ``None`` (nothing changed)
-        when the GPU blocks do not fit.
+        a failed load rolls back whatever it grew; the handle to wait on is
+        the outcome's ``handle``.  ``None`` (nothing changed) when the GPU
+        blocks do not fit: the request's KV, and room for ``num_new_tokens``
+        more (:meth:`blocks_to_resume`), plus :attr:`watermark_blocks` with
+        ``keep_watermark`` (a preempted request coming back while others run
+        leaves the watermark free, as an admission does).
         """
-        h = self._get(request_id, Residency.CPU)
+        h = self._get(request_id, *FROM["resume"])
         checks.flag("layered", layered)
+        checks.flag("keep_watermark", keep_watermark)
         if layered and not self.num_layers:
             raise InvalidArgumentError("a layer-wise swap-in needs the KV's layer count: give the manager kv_spec=")
-        assert h.swapped is not None
-        out = self._swap.start_in(h.request, h.swapped, self.num_layers if layered else 0)
+        swapped = h.swapped
+        assert swapped is not None
+        need = self._blocks_to_resume(h, swapped, checks.count("num_new_tokens", num_new_tokens))
+        if need + (self.gpu.watermark_blocks if keep_watermark else 0) > self.gpu.block_pool.get_num_free_blocks():
+            return None
+        out = self._swap.start_in(h.request, swapped, self.num_layers if layered else 0)
         if out is None:
             return None
         hits, t = out
@@ -443,22 +485,25 @@ class TierManager:
             self._bounds.acquired(hits)
         self._tick += 1
         if t is not None:
-            h.residency, h.plan_id, h.layered = Residency.SWAPPING_IN, t.plan.plan_id, layered
-            return Resumption(request_id, h.swapped.num_tokens, t.plan)
-        n = h.swapped.num_tokens
-        self._swap.finish_in(h.request, h.swapped)
-        h.residency, h.swapped = Residency.GPU, None
-        return Resumption(request_id, n, None)
+            h.residency, h.plan_id, h.layered = (
+                move("resume", Residency.CPU, Residency.SWAPPING_IN),
+                t.plan.plan_id,
+                layered,
+            )
+            return Resumption(request_id, swapped.num_tokens, t.plan, t.handle)
+        self._swap.finish_in(h.request, swapped)
+        h.residency, h.swapped = move("resume", Residency.CPU, Residency.GPU), None
+        return Resumption(request_id, swapped.num_tokens, None)
 
     @exclusive
     def drop_swapped(self, request_id: Hashable) -> None:
         """Give up a swapped request's CPU copy: it will be recomputed (the scheduler resets its progress)."""
-        self._forget(self._get(request_id, Residency.CPU))
+        self._forget(self._get(request_id, *FROM["drop_swapped"]))
         self._counters.swaps_dropped += 1
 
     @exclusive
-    def free(self, request_id: Hashable) -> None:
-        """End a request (finished or aborted): release what it holds in every tier, and close it.
+    def free(self, request_id: Hashable, *, cancel: bool = False) -> bool:
+        """End a request (finished or aborted): release what it holds in every tier, and close it; True if ended.
 
         Every request :meth:`is_open` ends here once, wherever its KV is: on
         the GPU or the CPU, or already gone (a recompute victim waiting to be
@@ -468,14 +513,25 @@ class TierManager:
         Closing it finishes that request in the store, whose policy then
         commits the request's uses; its copies may still land afterwards.
 
+        ``cancel=True`` (an abort) first cancels a copy of its KV in flight
+        (:meth:`cancel`) and ends the request once the copy is rolled back;
+        when the engine finished the copy first, nothing changes and the answer
+        is False: settle the copy (:meth:`poll`), then free.
+
         Raises:
             UnknownRequestError: the request is not open (never admitted here,
                 or freed already).
-            InvalidTransitionError: a copy of its KV is in flight (cancel it or
-                wait for it first).  Nothing changes in either case.
+            InvalidTransitionError: a copy of its KV is in flight and
+                ``cancel`` is False (cancel it or wait for it first).  Nothing
+                changes in either case.
         """
         checks.hashable("request_id", request_id)
+        checks.flag("cancel", cancel)
         h = self._held.get(request_id)
+        if cancel and h is not None and h.residency in IN_FLIGHT:
+            if not self._cancel(h):
+                return False
+            h = self._held.get(request_id)
         if h is None and request_id not in self._store_requests:
             raise UnknownRequestError(
                 f"request {request_id!r} is not held by this tier manager and not open in its CPU store "
@@ -492,6 +548,7 @@ class TierManager:
         ctx = self._store_requests.pop(request_id, None)
         if ctx is not None:  # finished: the store commits the request's recency (its copies may still land)
             self.store.on_request_finished(ctx)
+        return True
 
     @exclusive
     def is_open(self, request_id: Hashable) -> bool:
@@ -505,6 +562,71 @@ class TierManager:
         """
         rid = checks.hashable("request_id", request_id)
         return rid in self._held or rid in self._store_requests
+
+    @exclusive
+    def state(self, request_id: Hashable) -> KVState:
+        """The request's state in the manager: open or not, and where its KV is (the one state machine's state).
+
+        Any hashable id is answered (``KVState(False, None)`` for one never
+        admitted or freed already); a scheduler reads this instead of keeping
+        a copy of where each request's KV is.
+        """
+        rid = checks.hashable("request_id", request_id)
+        h = self._held.get(rid)
+        return KVState(h is not None or rid in self._store_requests, h.residency if h is not None else None)
+
+    @exclusive
+    def room(self, request_id: Hashable | None = None, num_new_tokens: int = 0) -> Room:
+        """GPU room now for the request's next tokens, and what copies in flight will give back (see :class:`Room`).
+
+        ``request_id=None`` asks about no request (``blocks_short`` is 0).
+        Raises as :meth:`allocate` does for a request not on the GPU.
+        """
+        short = 0 if request_id is None else self.blocks_short(request_id, num_new_tokens)
+        return Room(short, self.transfers.blocks_freed_on_completion(self.gpu), len(self.transfers))
+
+    @exclusive
+    def victim(
+        self,
+        requester: Hashable,
+        ranked: Sequence[Hashable],
+        policy: str | VictimPolicy = "last_admitted",
+        mode: str = "auto",
+    ) -> Hashable | None:
+        """Who to preempt so that ``requester`` fits: ``policy``'s first among ``ranked``; ``None`` if nobody may go.
+
+        ``ranked``: the candidates in the scheduler's own preemption order
+        (vLLM's rule; the last is preempted first by ``last_admitted``), every
+        one on the GPU; ``requester`` may be among them.  The policy (a name
+        or an instance, see :mod:`~tiered_kv.manager.victim_policy`) re-ranks
+        them from their quotes and this manager's counts.  Under
+        ``mode="swap"`` a candidate that cannot be swapped (no room on the CPU
+        tier, nothing computed) is passed over, except the requester, which
+        then yields by recompute.  Nothing changes.
+        """
+        checks.choice("mode", mode, MODES)
+        held = [self._get(rid, Residency.GPU) for rid in ranked]
+        candidates = [
+            Candidate(
+                h.request.request_id,
+                rank,
+                len(self.gpu.get_blocks(h.request.request_id)),
+                h.request.num_computed_tokens,
+                h.request.num_prompt_tokens,
+                self.quote,
+                self.preemption_bounds,
+            )
+            for rank, h in enumerate(held)
+        ]
+        swap_only = mode == "swap"
+        room = self.store.num_free + self.store.num_evictable if swap_only else 0
+        for c in get_victim_policy(policy, self.cost_model).iter_rank(candidates, mode):
+            if swap_only and c.request_id != requester:
+                q = c.quote
+                if not q.can_swap or q.cpu_blocks_needed > room:
+                    continue
+            return c.request_id
+        return None
 
     @exclusive
     def unschedule(self, request_id: Hashable) -> None:
@@ -539,14 +661,35 @@ class TierManager:
             ctx.set_positions(list(request.block_hashes), self.block_size, self.block_size)
 
     @exclusive
-    def on_schedule_end(self, new_req_ids: list[Hashable], preempted_req_ids: list[Hashable]) -> None:
+    def on_schedule_end(
+        self, new_req_ids: list[Hashable], preempted_req_ids: list[Hashable], *, layerwise_stores: bool = False
+    ) -> dict[Hashable, TransferHandle]:
         """The end of a scheduler step: the CPU store's ``on_schedule_end`` (vLLM 0.33's step hook).
 
         The step's batch is final: its requests may be chosen as victims again
-        in the next step (see :meth:`preempt`).
+        in the next step (see :meth:`preempt`).  With ``layerwise_stores``
+        (write-through, layer by layer), first the prompt blocks each batched
+        request completes in this step are stored as the step computes them
+        (:meth:`start_layerwise_store`, in the order the batch was given its
+        blocks; not for a request whose own KV is still landing): returns each
+        store's handle by request, whose layers the driver opens as it
+        computes them.
         """
+        checks.flag("layerwise_stores", layerwise_stores)
+        saves: dict[Hashable, TransferHandle] = {}
+        if layerwise_stores:
+            for rid, upto in self._batched.items():
+                h = self._held.get(rid)
+                if h is None or h.residency is not _GPU or h.request.num_computed_tokens >= h.request.num_prompt_tokens:
+                    continue  # its KV is still arriving, or it is decoding: nothing of the prompt to store
+                plan = self._start_layerwise_store(h, upto)
+                if plan is not None:
+                    t = self.transfers.get(plan.plan_id)
+                    if t is not None:
+                        saves[rid] = t.handle
         self.store.on_schedule_end(new_req_ids, preempted_req_ids)
         self._batched.clear()
+        return saves
 
     def _forget(self, h: Held) -> None:
         self._bounds.free_table(h.request)
@@ -603,6 +746,9 @@ class TierManager:
                 f"num_tokens_after_step {num_tokens_after_step} exceeds request {request_id!r}'s "
                 f"{len(req.all_token_ids)} tokens"
             )
+        return self._start_layerwise_store(h, num_tokens_after_step)
+
+    def _start_layerwise_store(self, h: Held, num_tokens_after_step: int) -> TransferPlan | None:
         if self.offload != "write_through" or not self.num_layers:
             return None
         if not isinstance(self.transfers.engine, GatedCopyEngine):
@@ -635,13 +781,18 @@ class TierManager:
     # in plan order), process_completion (one now) or cancel.  A landed copy hands its blocks on; a
     # failed or cancelled one is rolled back so the KV stays where it was.
     @exclusive
-    def poll(self) -> list[Completion]:
+    def poll(self, timeout: float | None = 0.0) -> list[Completion]:
         """Settle every copy whose handle is final, in plan order; return what settled.
 
         With on-evict offload it then tops up the saves before eviction: once
         per scheduler step is often enough.  A scheduler polls first in each
         step, so a poll also starts a new batch (see :meth:`preempt`).
+        ``timeout`` other than 0 first waits, up to that long (``None``: no
+        limit), for some copy in flight to become final (:meth:`wait`): a real
+        engine's driver with nothing to compute waits here.
         """
+        if timeout != 0.0:
+            self.transfers.wait(checks.timeout("timeout", timeout))
         self._batched.clear()
         done = [c for t in self.transfers.finished() if (c := self._settle(t)) is not None]
         self._drain_events()
@@ -651,6 +802,26 @@ class TierManager:
                 self._bounds.acquired(t.gpu_holds)
         if self._lower is not None:
             self._lower.tick()
+        return done
+
+    @exclusive
+    def step_computed(
+        self, saves: Sequence[TransferHandle] = (), loads: Sequence[TransferHandle] = ()
+    ) -> list[Completion]:
+        """A step's compute is done: open every layer of its layer-wise ``saves``, settle its layer-wise ``loads``.
+
+        Every layer of a gated store the driver did not open is opened (the
+        step wrote them all), then each layer-wise swap-in the step computed
+        over is settled now, in the order given (one already settled by an
+        abort is skipped): returns their completions.
+        """
+        for h in saves:
+            self.open_all_layers(h)
+        done: list[Completion] = []
+        for h in loads:
+            t = self.transfers.get(h.plan.plan_id)
+            if t is not None and t.handle is h:  # not settled by an abort meanwhile
+                done.append(self.process_completion(h))
         return done
 
     @exclusive
@@ -673,7 +844,9 @@ class TierManager:
         A copy the engine finished first is left for ``poll`` to settle as what
         it is, and the answer is False.
         """
-        h = self._get(request_id)
+        return self._cancel(self._get(request_id))
+
+    def _cancel(self, h: Held) -> bool:
         if h.plan_id is None:
             return False
         self.transfers.cancel(h.plan_id)
@@ -724,6 +897,7 @@ class TierManager:
                     h.swapped = None
                 else:
                     self._bounds.free_table(h.request)
+            move("settle", h.residency, new)
             if new is None:
                 del self._held[rid]
             else:
@@ -745,7 +919,9 @@ class TierManager:
         if gpu_copy is not None:
             h.plan_id = gpu_copy.plan.plan_id
             return None
-        h.residency = Residency.GPU  # nothing landed: the request computes all of it, keeping its GPU hits
+        h.residency = move(
+            "settle", h.residency, Residency.GPU
+        )  # nothing landed: the request computes all of it, keeping its GPU hits
         return Completion(t.plan.plan_id, rid, PlanKind.ONBOARD, True, h.num_hit_tokens, Residency.GPU)
 
     def _drain_events(self) -> None:
@@ -856,15 +1032,17 @@ class TierManager:
 
         Its blocks still cached on the GPU count only if no one holds them (a
         free cached block leaves the free queue when it is hit again); the rest
-        are new blocks.  A scheduler resumes a request only when this fits, as
-        vLLM resumes one only with room for the tokens it computes next, so a
+        are new blocks.  :meth:`resume` refuses when they do not fit, as vLLM
+        resumes one only with room for the tokens it computes next, so a
         resumed request is not left holding its KV unable to take one step.
         """
         h = self._get(request_id, Residency.CPU)
-        checks.count("num_new_tokens", num_new_tokens)
         assert h.swapped is not None
-        hits = self._swap.gpu_hits(h.request, h.swapped)
-        total = -(-(h.swapped.num_tokens + num_new_tokens) // self.block_size)
+        return self._blocks_to_resume(h, h.swapped, checks.count("num_new_tokens", num_new_tokens))
+
+    def _blocks_to_resume(self, h: Held, swapped: SwappedKV, num_new_tokens: int) -> int:
+        hits = self._swap.gpu_hits(h.request, swapped)
+        total = -(-(swapped.num_tokens + num_new_tokens) // self.block_size)
         return total - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
 
     @exclusive
@@ -901,7 +1079,7 @@ class TierManager:
         """
         checks.choice("mode", mode, MODES)
         checks.flag("lookups", lookups)
-        if request_ids.__class__ is not list and request_ids.__class__ is not tuple:
+        if type(request_ids) is not list and type(request_ids) is not tuple:
             raise InvalidArgumentError(f"request_ids must be a list or tuple, got {checks.describe(request_ids)}")
         gpu = Residency.GPU
         try:
