@@ -63,15 +63,15 @@ class ManagerConfig:
 
     def __post_init__(self) -> None:
         n_gpu = self.num_gpu_blocks
-        if n_gpu.__class__ is not int or n_gpu < 2:
+        if type(n_gpu) is not int or n_gpu < 2:
             raise InvalidArgumentError(
                 f"num_gpu_blocks must be an int >= 2 (block 0 is the null block), got {checks.describe(n_gpu)}"
             )
-        if self.block_size.__class__ is not int or self.block_size <= 0:
+        if type(self.block_size) is not int or self.block_size <= 0:
             raise InvalidArgumentError(f"block_size must be a positive int, got {checks.describe(self.block_size)}")
         check_write_policy("offload", self.offload)
         n = self.num_cpu_blocks
-        if n.__class__ is not int or n < 0 or n == 1:
+        if type(n) is not int or n < 0 or n == 1:
             raise InvalidArgumentError(f"num_cpu_blocks must be 0 or an int >= 2, got {checks.describe(n)}")
         checks.flag("enable_caching", self.enable_caching)
         checks.count("evict_window", self.evict_window, 1)
@@ -87,7 +87,7 @@ class ManagerConfig:
             )
         checks.count("hash_seed", self.hash_seed)
         w = self.watermark
-        if (w.__class__ is not float and w.__class__ is not int) or not 0 <= w < 1:
+        if (type(w) is not float and type(w) is not int) or not 0 <= w < 1:
             raise InvalidArgumentError(
                 f"watermark must be a fraction of the pool in [0, 1) (vLLM's range), got {checks.describe(w)}"
             )
