@@ -31,22 +31,12 @@ from _trace import make_trace
 
 from tiered_kv.core import Request
 from tiered_kv.manager import CostModel, ManagerConfig, TierManager
+from tiered_kv.manager.port import SchedulerPort
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.transfer import TransferHandle, TransferPlan, TransferStatus
 
 BLOCK_SIZE = 16
-TIMED = (
-    "admit",
-    "allocate",
-    "preempt",
-    "resume",
-    "poll",
-    "free",
-    "quote",
-    "preemption_bounds",
-    "on_tokens_computed",
-    "blocks_short",
-)
+TIMED = tuple(n for n in vars(SchedulerPort) if not n.startswith("_"))  # every verb the scheduler uses
 
 
 class InstantCopyEngine:
@@ -128,7 +118,7 @@ def run(
         sched.update(out, sampled)
         step_s += clock() - t0
     measured = steps - measured_from
-    m = sched.metrics()
+    m = sched.tm.metrics()
     c = m.counters
     return {
         "victim_policy": policy,

@@ -11,6 +11,7 @@ counts against a fresh scan of every table (``check_invariants``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -66,7 +67,7 @@ def steps(rng: random.Random, eng: ControlledCopyEngine, s: Scheduler):
 def run(seed: int, exact: bool, mode: str, setup: str = "write_through") -> tuple[list, list]:
     rng, eng, tm, s = make(seed, mode, setup)
     if exact:
-        s.victim_policy = CostAwarePolicy(None)  # no bound: every candidate priced, a full sort
+        s.config = dataclasses.replace(s.config, victim_policy=CostAwarePolicy(None))  # no bound: a full sort
     preempted = [list(out.preempted) for out in steps(rng, eng, s)]
     return preempted, [(d.tick, d.request_id, d.mode, d.reason, d.quote) for d in tm.decision_log]
 

@@ -242,7 +242,7 @@ def drive(
             quiesce_disk(tm)
             eng.complete_all()
             s.settle()
-        log.append((s.num_unfinished, s.copies_in_flight(), s.metrics().counters, s.metrics().lower_tiers))
+        log.append((s.num_unfinished, s.copies_in_flight(), s.tm.metrics().counters, s.tm.metrics().lower_tiers))
         log.append([(d.tick, d.request_id, d.mode, d.reason, d.quote) for d in tm.decision_log])
     finally:
         for c in closers:

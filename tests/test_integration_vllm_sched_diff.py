@@ -264,7 +264,7 @@ def run_both(setup: Setup, stream: list[Arrival], max_steps: int = 2000) -> Trac
         assert our_waiting_order(s) == vllm_waiting_order(v), f"{where}: waiting"
         for r in s.running:
             rid = str(r.request_id)
-            assert s.gpu_block_ids(rid) == v.kv_cache_manager.get_block_ids(rid)[0], f"{where}: {rid}'s blocks"
+            assert s.tm.gpu_block_ids(rid) == v.kv_cache_manager.get_block_ids(rid)[0], f"{where}: {rid}'s blocks"
             assert r.num_computed_tokens == v.requests[rid].num_computed_tokens, f"{where}: {rid}'s progress"
         trace.batches.append(batch_s)
         trace.preempted.append(preempted_s)

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tiered_kv.engine.engine import Engine
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, MissingDependencyError
 from tiered_kv.manager.outcomes import Completion
+from tiered_kv.manager.states import Residency
 from tiered_kv.obs import LATENCY_BUCKETS_S, decision_reason
 from tiered_kv.sched import RequestStatus
 from tiered_kv.transfer.cpu_engine import CpuCopyEngine
@@ -56,8 +57,12 @@ def expected(engine: Engine, applied: list[Completion]) -> Samples:
     m = engine.metrics()
     c = m.counters
     sched = engine.scheduler
-    status = Counter(sched.status.values())
     S = RequestStatus
+    # An arriving request waits while its prefix loads, and counts as swapped while its swap-in lands.
+    status = Counter(
+        (S.WAITING if sched.tm.state(rid).residency is Residency.LOADING else S.SWAPPED) if st is S.ARRIVING else st
+        for rid, st in sched.status.items()
+    )
     plain = {
         "vllm:kv_cache_usage_perc": m.gpu_usage,
         "vllm:prefix_cache_queries_total": c.gpu_query_tokens,
@@ -66,8 +71,8 @@ def expected(engine: Engine, applied: list[Completion]) -> Samples:
         "vllm:external_prefix_cache_hits_total": c.cpu_hit_tokens,
         "vllm:num_preemptions_total": c.preemptions_swap + c.preemptions_recompute,
         "vllm:num_requests_running": status[S.RUNNING],
-        "vllm:num_requests_waiting": status[S.WAITING] + status[S.LOADING],
-        "tiered_kv:num_requests_swapped": status[S.SWAPPING_OUT] + status[S.SWAPPED] + status[S.SWAPPING_IN],
+        "vllm:num_requests_waiting": status[S.WAITING],
+        "tiered_kv:num_requests_swapped": status[S.SWAPPED],
         "tiered_kv:cpu_cache_usage_perc": m.cpu_usage,
         "tiered_kv:cpu_cached_blocks": m.cpu_cached_blocks,
         "tiered_kv:cpu_pinned_blocks": m.cpu_pinned_blocks,

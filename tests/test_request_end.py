@@ -62,12 +62,12 @@ class Run:
         self.s.check_consistency()
         self.tm.check_invariants()
 
-    def until(self, rid: str, status: RequestStatus) -> None:
+    def until(self, rid: str, status: RequestStatus, residency: Residency | None) -> None:
         for _ in range(40):
             self.step()
-            if self.s.status.get(rid) is status:
+            if self.s.status.get(rid) is status and self.tm.state(rid).residency is residency:
                 return
-        raise AssertionError(f"{rid} never became {status.value}")
+        raise AssertionError(f"{rid} never became {status.value} with its KV {residency}")
 
     def to_the_end(self) -> None:
         for _ in range(60):
@@ -99,15 +99,15 @@ def test_a_request_that_finishes_closes_its_store_request_once():
     ("mode", "status", "residency"),
     [
         ("swap", St.RUNNING, Residency.GPU),
-        ("swap", St.SWAPPING_OUT, Residency.SWAPPING_OUT),
+        ("swap", St.SWAPPED, Residency.SWAPPING_OUT),
         ("swap", St.SWAPPED, Residency.CPU),
-        ("swap", St.SWAPPING_IN, Residency.SWAPPING_IN),
+        ("swap", St.ARRIVING, Residency.SWAPPING_IN),
         ("recompute", St.WAITING, None),  # a recompute victim: the manager holds nothing, the store request is open
     ],
 )
 def test_aborting_a_request_in_any_state_closes_its_store_request_once(mode, status, residency):
     r = Run(mode)
-    r.until("B", status)
+    r.until("B", status, residency)
     assert r.tm.is_open("B") and (r.tm.residency("B") if r.tm.holds("B") else None) is residency
     running = [rid for rid in ("A", "B") if rid in r.s.requests]  # A has finished before B swaps in
     assert r.tm.store.open_requests() == running
@@ -147,7 +147,8 @@ def _loading(mode: str = "swap") -> tuple[Run, Request]:
     c = r.reqs["C"] = Request("C", [*range(1, 7), 99], max_tokens=4)
     r.s.add_request(c)
     r.step()
-    assert r.s.status["C"] is St.LOADING and r.tm.store.open_requests() == ["C"]
+    assert r.s.status["C"] is St.ARRIVING and r.tm.state("C").residency is Residency.LOADING
+    assert r.tm.store.open_requests() == ["C"]
     return r, c
 
 
@@ -164,7 +165,8 @@ def test_a_failed_onboarding_then_an_abort_closes_its_store_request_once():
     (plan_id,) = r.eng.pending_ids()
     r.eng.fail(plan_id)
     r.step(complete=False)  # the failed load settles, C goes back to waiting and is admitted again: a new load
-    assert r.s.status["C"] is St.LOADING and r.eng.pending_ids() != [plan_id]
+    assert r.s.status["C"] is St.ARRIVING and r.tm.state("C").residency is Residency.LOADING
+    assert r.eng.pending_ids() != [plan_id]
     assert r.tm.store.open_requests() == ["C"]  # the same store request throughout
     r.s.abort("C")
     r.to_the_end()

@@ -149,7 +149,6 @@ def test_update_refuses_a_wrong_set_of_samples_and_changes_nothing():
         (lambda s: s.add_request(Request("A", [1])), InvalidArgumentError),  # added twice
         (lambda s: s.abort("ghost"), UnknownRequestError),
         (lambda s: s.abort(["A"]), UnknownRequestError),
-        (lambda s: s.gpu_block_ids("ghost"), UnknownRequestError),
     ],
 )
 def test_scheduler_misuse_raises_a_clear_error(action, exc):
@@ -209,7 +208,7 @@ def test_abort_in_every_status_releases_everything():
         out = s.schedule()
         s.update(out, {r.request_id: 1 for r, n in out.scheduled if out.needs_sample(r, n)})
     statuses = {rid: st for rid, st in s.status.items()}
-    assert RequestStatus.SWAPPING_OUT in statuses.values() or RequestStatus.SWAPPED in statuses.values()
+    assert RequestStatus.SWAPPED in statuses.values()
     for rid in list(s.requests):
         s.abort(rid)
     eng.complete_all()

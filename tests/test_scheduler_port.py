@@ -37,7 +37,7 @@ def members_used(source: str) -> tuple[set[str], list[int]]:
         if isinstance(node, ast.Assign):
             for target in node.targets:
                 pairs = (
-                    zip(target.elts, node.value.elts)
+                    zip(target.elts, node.value.elts, strict=True)
                     if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
                     else [(target, node.value)]
                 )

@@ -191,7 +191,7 @@ class Engine:
         sched = self.scheduler
         if sched.copies_in_flight():
             t0 = time.perf_counter()
-            sched.wait_for_copies(5.0)
+            sched.tm.wait(5.0)  # the next step settles what landed
             self.stats.wait_s += time.perf_counter() - t0
             self._publish_metrics()
             return True
@@ -217,7 +217,7 @@ class Engine:
         for req, n in out.scheduled:
             rid = req.request_id
             c = req.num_computed_tokens
-            table = sched.gpu_block_ids(rid)
+            table = sched.tm.gpu_block_ids(rid)
             self._record_table(rid, table)
             load = out.loads.get(rid)
             wait = None if load is None else (lambda i, h=load: self._wait_layer(h, i))
@@ -271,7 +271,7 @@ class Engine:
 
     def metrics(self) -> MetricsSnapshot:
         """The tier manager's counters and gauges."""
-        return self.scheduler.metrics()
+        return self.scheduler.tm.metrics()
 
     def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> str:
         """Serve Prometheus metrics (``docs/metrics.md``) at ``http://host:port/metrics`` until :meth:`close`.
