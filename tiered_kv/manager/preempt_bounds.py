@@ -42,6 +42,7 @@ from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.pricing import Quote
 from tiered_kv.manager.swap import Swapper
 
 
@@ -196,3 +197,27 @@ class PreemptBounds:
                 f"request {rid!r}: kept counts {len(s.freed)} blocks freed in {s.runs} runs, "
                 f"its table has {len(fresh.freed)} in {fresh.runs}"
             )
+
+
+class CandidatePrices:
+    """A victim ranking's prices and bounds of requests on the GPU, by id (what ``Candidate`` calls lazily).
+
+    The manager builds one per ranking over requests it has checked are on
+    the GPU, so the policy's calls go here and on down (the swapper, these
+    bounds), never back up into the manager that asked for the ranking.
+    """
+
+    __slots__ = ("_requests", "_swap", "_bounds", "_cost_model")
+
+    def __init__(
+        self, requests: dict[Hashable, Request], swap: Swapper, bounds: PreemptBounds, cost_model: CostModel
+    ) -> None:
+        self._requests, self._swap, self._bounds, self._cost_model = requests, swap, bounds, cost_model
+
+    def quote(self, request_id: Hashable) -> Quote:
+        """What preempting the request would cost (``TierManager.quote``)."""
+        return self._swap.quote(self._requests[request_id], self._cost_model)
+
+    def lower_bounds(self, request_ids: Sequence[Hashable], mode: str, lookups: bool) -> list[float]:
+        """Lower bounds of the cost-aware key (``TierManager.preemption_bounds``)."""
+        return self._bounds.lower_bounds([self._requests[r] for r in request_ids], mode, self._swap, lookups)

@@ -44,7 +44,7 @@ from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption, Room
-from tiered_kv.manager.preempt_bounds import PreemptBounds
+from tiered_kv.manager.preempt_bounds import CandidatePrices, PreemptBounds
 from tiered_kv.manager.pricing import Quote, checked_cost_model
 from tiered_kv.manager.states import FROM, IN_FLIGHT, MODES, KVState, PreemptMode, Residency, move
 from tiered_kv.manager.swap import SwappedKV, Swapper
@@ -606,6 +606,10 @@ class TierManager:
         """
         checks.choice("mode", mode, MODES)
         held = [self._get(rid, Residency.GPU) for rid in ranked]
+        prices = CandidatePrices(
+            {h.request.request_id: h.request for h in held}, self._swap, self._bounds, self.cost_model
+        )
+        quote, bounds = prices.quote, prices.lower_bounds
         candidates = [
             Candidate(
                 h.request.request_id,
@@ -613,8 +617,8 @@ class TierManager:
                 len(self.gpu.get_blocks(h.request.request_id)),
                 h.request.num_computed_tokens,
                 h.request.num_prompt_tokens,
-                self.quote,
-                self.preemption_bounds,
+                quote,
+                bounds,
             )
             for rank, h in enumerate(held)
         ]
