@@ -30,23 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _trace import make_trace
 
 from tiered_kv.core import Request
-from tiered_kv.manager import CostModel, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, TierManager
+from tiered_kv.manager.port import SchedulerPort
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.transfer import TransferHandle, TransferPlan, TransferStatus
 
 BLOCK_SIZE = 16
-TIMED = (
-    "admit",
-    "allocate",
-    "preempt",
-    "resume",
-    "poll",
-    "free",
-    "quote",
-    "preemption_bounds",
-    "on_tokens_computed",
-    "blocks_short",
-)
+TIMED = tuple(n for n in vars(SchedulerPort) if not n.startswith("_"))  # every verb the scheduler uses
 
 
 class InstantCopyEngine:
@@ -95,7 +85,9 @@ def run(
         prefill_tokens_per_s=20_000.0,
     )
     tm = TierManager(
-        gpu_blocks, cpu_blocks, BLOCK_SIZE, InstantCopyEngine(), cost_model=cm, offload=offload, hash_fn=hash_fn
+        ManagerConfig(gpu_blocks, cpu_blocks, BLOCK_SIZE, offload=offload, hash_fn=hash_fn),
+        InstantCopyEngine(),
+        cost_model=cm,
     )
     sched = Scheduler(
         tm,
@@ -126,7 +118,7 @@ def run(
         sched.update(out, sampled)
         step_s += clock() - t0
     measured = steps - measured_from
-    m = sched.metrics()
+    m = sched.tm.metrics()
     c = m.counters
     return {
         "victim_policy": policy,

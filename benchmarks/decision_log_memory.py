@@ -19,7 +19,7 @@ import time
 import tracemalloc
 
 from tiered_kv.core import Request
-from tiered_kv.manager import CostModel, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, TierManager
 from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE
 from tiered_kv.transfer import ControlledCopyEngine
 
@@ -34,7 +34,9 @@ def run(num_requests: int, log_size: int | None, checkpoints: list[int]) -> tupl
     base = tracemalloc.get_traced_memory()[0]
     eng = ControlledCopyEngine({"GPU": 64, "CPU": 2})
     tm = TierManager(
-        64, 0, BLOCK, eng, cost_model=CostModel(kv_bytes_per_token=1024, block_size=BLOCK), log_size=log_size
+        ManagerConfig(64, 0, BLOCK, log_size=log_size),
+        eng,
+        cost_model=CostModel(kv_bytes_per_token=1024, block_size=BLOCK),
     )
     out = []
     t0 = time.perf_counter()

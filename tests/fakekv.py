@@ -36,8 +36,6 @@ class FakeKV:
 
     def check_cached(self, tm: TierManager) -> None:
         """Every ready block of the CPU store holds exactly the KV its hash names (no wrong KV is ever served)."""
-        if tm.store is None:
-            return
         for e in tm.store.entries():
             if e.ready and e.key in self.by_hash:
                 got = self.store["CPU"].get(e.block_id, ())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from poolutil import letters, pool_snapshot, queue
 
 from tiered_kv.core import Request
-from tiered_kv.manager import CostModel, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, TierManager
 from tiered_kv.transfer import ControlledCopyEngine
 
 BS = 4
@@ -14,7 +14,7 @@ BS = 4
 def make_tm(gpu: int = 9, cpu: int = 9, bs: int = BS, **kw) -> tuple[TierManager, ControlledCopyEngine]:
     engine = ControlledCopyEngine({"GPU": gpu, "CPU": max(cpu, 2)}, bytes_per_block=bs * 1024)
     cm = kw.pop("cost_model", None) or CostModel(kv_bytes_per_token=1024, block_size=bs)
-    return TierManager(gpu, cpu, bs, engine, cost_model=cm, **kw), engine
+    return TierManager(ManagerConfig(gpu, cpu, bs, **kw), engine, cost_model=cm), engine
 
 
 def run(tm: TierManager, rid: str, text: str) -> Request:
@@ -39,8 +39,6 @@ def gq(tm: TierManager) -> list[str]:
 
 
 def store_snapshot(tm: TierManager) -> tuple:
-    if tm.store is None:
-        return ()
     return (
         tuple((repr(e.key), e.block_id, e.ready, e.ref_cnt) for e in tm.store.entries()),
         tuple(tm.store.free_block_ids()),

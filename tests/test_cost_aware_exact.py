@@ -11,13 +11,14 @@ counts against a fresh scan of every table (``check_invariants``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import pytest
 
 from tiered_kv.core import Request
-from tiered_kv.manager import CostModel, Residency, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, Residency, TierManager
 from tiered_kv.manager.victim_policy import CostAwarePolicy
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.transfer import ControlledCopyEngine
@@ -39,7 +40,7 @@ def make(seed: int, mode: str, setup: str) -> tuple[random.Random, ControlledCop
     cm = CostModel(
         kv_bytes_per_token=4096, block_size=bs, d2h_bytes_per_s=2e9, h2d_bytes_per_s=2e9, prefill_tokens_per_s=3e5
     )
-    tm = TierManager(gpu, cpu, bs, eng, cost_model=cm, offload=offload, enable_caching=caching)
+    tm = TierManager(ManagerConfig(gpu, cpu, bs, offload=offload, enable_caching=caching), eng, cost_model=cm)
     s = Scheduler(tm, SchedulerConfig(max_num_batched_tokens=64, victim_policy="cost_aware", mode=mode))
     shared = [rng.randrange(500) for _ in range(12)]
     for i in range(24):
@@ -66,7 +67,7 @@ def steps(rng: random.Random, eng: ControlledCopyEngine, s: Scheduler):
 def run(seed: int, exact: bool, mode: str, setup: str = "write_through") -> tuple[list, list]:
     rng, eng, tm, s = make(seed, mode, setup)
     if exact:
-        s.victim_policy = CostAwarePolicy(None)  # no bound: every candidate priced, a full sort
+        s.config = dataclasses.replace(s.config, victim_policy=CostAwarePolicy(None))  # no bound: a full sort
     preempted = [list(out.preempted) for out in steps(rng, eng, s)]
     return preempted, [(d.tick, d.request_id, d.mode, d.reason, d.quote) for d in tm.decision_log]
 
@@ -117,7 +118,7 @@ def test_a_block_released_to_one_holder_counts_as_freed_at_once():
     """Two requests share a prefix; when one goes, the other alone holds it: its bound and quote agree at once."""
     eng = ControlledCopyEngine({"GPU": 20, "CPU": 20})
     cm = CostModel(kv_bytes_per_token=4096, block_size=4, d2h_bytes_per_s=2e9, h2d_bytes_per_s=2e9)
-    tm = TierManager(20, 20, 4, eng, cost_model=cm)
+    tm = TierManager(ManagerConfig(20, 20, 4), eng, cost_model=cm)
     prompt = list(range(12))
     a, b = Request("a", [*prompt, 50, 51]), Request("b", [*prompt, 60, 61])
     for r in (a, b):

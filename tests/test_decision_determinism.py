@@ -22,7 +22,7 @@ import pytest
 RUN = """
 import json
 from tiered_kv.core import Request
-from tiered_kv.manager import VICTIM_POLICIES, TierManager
+from tiered_kv.manager import VICTIM_POLICIES, ManagerConfig, TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.storage import KVSpec
 from tiered_kv.transfer import ControlledCopyEngine
@@ -32,7 +32,7 @@ for policy in VICTIM_POLICIES:
     for offload in ("none", "write_through"):
         spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", block_size=4)
         eng = ControlledCopyEngine({"GPU": 24, "CPU": 64})
-        tm = TierManager(24, 64, 4, eng, kv_spec=spec, offload=offload)
+        tm = TierManager(ManagerConfig(24, 64, 4, offload=offload), eng, kv_spec=spec)
         s = Scheduler(tm, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, victim_policy=policy, mode="auto"))
         for i in range(30):
             prompt = [1, 2, 3, 4, 5] + list(range(100 * i, 100 * i + 3 + i % 9))

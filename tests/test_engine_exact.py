@@ -18,9 +18,9 @@ import time
 
 import pytest
 import torch
+from engine_configs import engine_config
 
 from tiered_kv.engine.engine import Engine
-from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.transfer.cpu_engine import CpuCopyEngine
 
 LOGIT_TOL = 1e-4
@@ -41,7 +41,7 @@ def reference(prompt: list[int], layout: str) -> tuple[list[int], list[torch.Ten
     """The request alone, with ample memory: never preempted, nothing shared."""
     key = (tuple(prompt), layout)
     if key not in _REF:
-        e = Engine(config=EngineConfig(num_gpu_blocks=64, layout=layout, record_logits=True))
+        e = Engine(config=engine_config(num_gpu_blocks=64, layout=layout, record_logits=True))
         e.add_request("r", prompt, MAX_TOKENS)
         out = e.run()["r"]
         _REF[key] = (out, e.logits["r"])
@@ -73,7 +73,7 @@ def check(engine: Engine, ps: dict[int, list[int]], layout: str, exact_logits: b
 
 
 def run(ps, copy_engine=None, **kw) -> Engine:
-    e = Engine(config=EngineConfig(record_logits=True, **kw), copy_engine=copy_engine)
+    e = Engine(config=engine_config(record_logits=True, **kw), copy_engine=copy_engine)
     for rid, p in ps.items():
         e.add_request(rid, p, MAX_TOKENS)
     e.run()
@@ -122,7 +122,7 @@ def test_prefix_onboarded_from_the_cpu_tier(layout, layerwise):
     fillers = {i: [rng.randrange(512) for _ in range(40)] for i in (1, 2)}
     later = {3: [*prefix, 9, 8, 7, 6]}
     e = Engine(
-        config=EngineConfig(
+        config=engine_config(
             num_gpu_blocks=24, layout=layout, offload="write_through", record_logits=True, layerwise=layerwise
         )
     )
@@ -194,7 +194,7 @@ def test_write_back_offload_under_a_slow_copy_engine_serves_exact_tokens(window)
     fillers = {i: [rng.randrange(512) for _ in range(rng.randrange(30, 44))] for i in (1, 2, 3)}
     later = {4: [*prefix, 9, 8, 7, 6], 5: [*prefix[:16], 5, 5]}
     e = Engine(
-        config=EngineConfig(num_gpu_blocks=24, offload="write_back", record_logits=True, evict_window=window),
+        config=engine_config(num_gpu_blocks=24, offload="write_back", record_logits=True, evict_window=window),
         copy_engine=SlowDeviceToHost,
     )
     for group in (first, fillers, later):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_configs import engine_config
 from engineutil import HAS_CUDA, HAS_CUPY
 from test_engine_exact import MAX_TOKENS, check, moved_blocks, prompts
 
 from tiered_kv.engine.engine import Engine
-from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.transfer.factory import make_copy_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")]
@@ -28,7 +28,7 @@ ENGINE_CLASS = {"cuda": "TorchCudaCopyEngine", "cupy": "CupyCopyEngine"}
 
 def engine(kind: str, **kw) -> Engine:
     e = Engine(
-        config=EngineConfig(record_logits=True, device="cuda", **kw), copy_engine=lambda t: make_copy_engine(t, kind)
+        config=engine_config(record_logits=True, device="cuda", **kw), copy_engine=lambda t: make_copy_engine(t, kind)
     )
     assert e.tiers["GPU"].device.type == "cuda" and e.tiers["CPU"].pinned
     assert type(e.copy).__name__ == ENGINE_CLASS[kind]
@@ -137,7 +137,7 @@ def test_failed_cuda_copies_keep_requests_recoverable_and_exact():
 
     ps = prompts(6)
     e = Engine(
-        config=EngineConfig(record_logits=True, device="cuda", num_gpu_blocks=16, mode="swap"), copy_engine=flaky
+        config=engine_config(record_logits=True, device="cuda", num_gpu_blocks=16, mode="swap"), copy_engine=flaky
     )
     for rid, p in ps.items():
         e.add_request(rid, p, MAX_TOKENS)

@@ -34,7 +34,7 @@ from tierutil import NS, host
 
 from tiered_kv.core import Request
 from tiered_kv.errors import PlanError
-from tiered_kv.manager import CostModel, Residency, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, Residency, TierManager
 from tiered_kv.manager.victim_policy import CostAwarePolicy
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.storage.spec import KVSpec
@@ -129,17 +129,17 @@ def drive(
         per_copy_overhead_s=p["overhead"],
         prefill_tokens_per_s=1e4,
     )
-    tm = (TierManager if skip else PlainPathTierManager)(
+    config = ManagerConfig(
         p["gpu"],
         p["cpu"],
         bs,
-        eng,
-        cost_model=cm,
         offload=p["offload"],
         enable_caching=p["caching"],
         evict_window=p["evict_window"],
-        kv_spec=spec if p["layerwise"] else None,
         store_policy=p["store_policy"],
+    )
+    tm = (TierManager if skip else PlainPathTierManager)(
+        config, eng, cost_model=cm, kv_spec=spec if p["layerwise"] else None
     )
     closers: list = []
     if p["disk"]:
@@ -242,7 +242,7 @@ def drive(
             quiesce_disk(tm)
             eng.complete_all()
             s.settle()
-        log.append((s.num_unfinished, s.copies_in_flight(), s.metrics().counters, s.metrics().lower_tiers))
+        log.append((s.num_unfinished, s.copies_in_flight(), s.tm.metrics().counters, s.tm.metrics().lower_tiers))
         log.append([(d.tick, d.request_id, d.mode, d.reason, d.quote) for d in tm.decision_log])
     finally:
         for c in closers:

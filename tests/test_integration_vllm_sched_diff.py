@@ -34,7 +34,7 @@ import pytest
 from vllm_env import PROBLEM, vllm_mark
 
 from tiered_kv.core import Request
-from tiered_kv.manager import CostModel, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.transfer import ControlledCopyEngine
 
@@ -150,13 +150,11 @@ def build_ours(setup: Setup) -> Scheduler:
     engine = ControlledCopyEngine({"GPU": setup.num_blocks})
     cost = CostModel(kv_bytes_per_token=8, block_size=setup.block_size, d2h_bytes_per_s=1e12, h2d_bytes_per_s=1e12)
     tm = TierManager(
-        setup.num_blocks,
-        0,
-        setup.block_size,
+        ManagerConfig(
+            setup.num_blocks, 0, setup.block_size, enable_caching=setup.enable_prefix_caching, watermark=setup.watermark
+        ),
         engine,
         cost_model=cost,
-        enable_caching=setup.enable_prefix_caching,
-        watermark=setup.watermark,
     )
     config = SchedulerConfig(
         max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -266,7 +264,7 @@ def run_both(setup: Setup, stream: list[Arrival], max_steps: int = 2000) -> Trac
         assert our_waiting_order(s) == vllm_waiting_order(v), f"{where}: waiting"
         for r in s.running:
             rid = str(r.request_id)
-            assert s.gpu_block_ids(rid) == v.kv_cache_manager.get_block_ids(rid)[0], f"{where}: {rid}'s blocks"
+            assert s.tm.gpu_block_ids(rid) == v.kv_cache_manager.get_block_ids(rid)[0], f"{where}: {rid}'s blocks"
             assert r.num_computed_tokens == v.requests[rid].num_computed_tokens, f"{where}: {rid}'s progress"
         trace.batches.append(batch_s)
         trace.preempted.append(preempted_s)

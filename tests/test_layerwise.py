@@ -11,11 +11,12 @@ from __future__ import annotations
 import threading
 
 import pytest
+from engine_configs import engine_config
 from test_engine_exact import LAYOUTS, check, prompts, run
 
 from tiered_kv.core import Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, PlanError
-from tiered_kv.manager import CostModel, PreemptMode, Residency, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, PreemptMode, Residency, TierManager
 from tiered_kv.sched import RequestStatus, Scheduler, SchedulerConfig
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import KVSpec
@@ -28,7 +29,7 @@ SPEC = KVSpec(3, 1, 2, "float32", 4)
 
 def sched(**cfg):
     eng = ControlledCopyEngine({"GPU": 7, "CPU": 16})
-    tm = TierManager(7, 16, 4, eng, kv_spec=SPEC)
+    tm = TierManager(ManagerConfig(7, 16, 4), eng, kv_spec=SPEC)
     s = Scheduler(tm, SchedulerConfig(mode="swap", layerwise=True, **cfg))
     for i, rid in enumerate("AB"):
         s.add_request(Request(rid, [i * 10 + k for k in range(8)], max_tokens=8, arrival_time=float(i)))
@@ -122,7 +123,7 @@ def test_abort_during_a_layerwise_load_cancels_it_and_frees_everything():
 def test_resume_layered_needs_the_layer_count_and_a_flag():
     eng = ControlledCopyEngine({"GPU": 7, "CPU": 16})
     cm = CostModel(kv_bytes_per_token=8, block_size=4)
-    tm = TierManager(7, 16, 4, eng, cost_model=cm)  # no kv_spec, and the engine has none
+    tm = TierManager(ManagerConfig(7, 16, 4), eng, cost_model=cm)  # no kv_spec, and the engine has none
     assert tm.num_layers == 0
     req = Request("A", list(range(8)), max_tokens=4)
     tm.admit(req, 8)
@@ -142,7 +143,7 @@ def test_resume_layered_needs_the_layer_count_and_a_flag():
 
 def test_growing_a_request_whose_kv_is_not_layerwise_loading_is_refused():
     spec_eng = ControlledCopyEngine({"GPU": 7, "CPU": 16})
-    tm = TierManager(7, 16, 4, spec_eng, kv_spec=SPEC)
+    tm = TierManager(ManagerConfig(7, 16, 4), spec_eng, kv_spec=SPEC)
     req = Request("A", list(range(10)), max_tokens=4)  # a partial tail: always copied
     tm.admit(req, 10)
     req.num_computed_tokens = 10
@@ -267,10 +268,9 @@ def test_a_prefill_is_stored_layer_by_layer_as_the_forward_pass_writes_it():
         return engines[-1]
 
     from tiered_kv.engine.engine import Engine
-    from tiered_kv.engine.engine_config import EngineConfig
 
     ps = prompts(7, n=3)
-    config = EngineConfig(num_gpu_blocks=64, offload="write_through", layerwise=True, record_logits=True)
+    config = engine_config(num_gpu_blocks=64, offload="write_through", layerwise=True, record_logits=True)
     e = Engine(config=config, copy_engine=make)
     eng = engines[0]
     for i, layer in enumerate(e.model.layers):
@@ -302,10 +302,9 @@ def test_a_layerwise_store_failing_at_layer_k_stores_nothing_and_loses_nothing()
             super().copy_run_layer(plan, run, layer, non_blocking)
 
     from tiered_kv.engine.engine import Engine
-    from tiered_kv.engine.engine_config import EngineConfig
 
     ps = prompts(7, n=3)
-    config = EngineConfig(num_gpu_blocks=64, offload="write_through", layerwise=True, record_logits=True)
+    config = engine_config(num_gpu_blocks=64, offload="write_through", layerwise=True, record_logits=True)
     e = Engine(config=config, copy_engine=FailsStoreAtLayer1)
     for rid, p in ps.items():
         e.add_request(rid, p, 10)
@@ -320,7 +319,7 @@ def test_a_layerwise_store_failing_at_layer_k_stores_nothing_and_loses_nothing()
 
 def test_a_gated_store_is_copied_only_once_its_layers_are_open():
     eng = ControlledCopyEngine({"GPU": 16, "CPU": 16})
-    tm = TierManager(16, 16, 4, eng, kv_spec=SPEC, offload="write_through")
+    tm = TierManager(ManagerConfig(16, 16, 4, offload="write_through"), eng, kv_spec=SPEC)
     s = Scheduler(tm, SchedulerConfig(layerwise=True))
     s.add_request(Request("A", list(range(10)), max_tokens=2))
     out = s.schedule()

@@ -13,7 +13,7 @@ from poolutil import letters
 import tiered_kv.manager as manager_pkg
 from tiered_kv.core import Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, TieredKVError
-from tiered_kv.manager import BoundedLog, CostModel, PlanKind, PreemptMode, Residency, TierManager
+from tiered_kv.manager import BoundedLog, CostModel, ManagerConfig, PlanKind, PreemptMode, Residency, TierManager
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.transfer import ControlledCopyEngine
@@ -107,18 +107,19 @@ def _cpu_engine(gpu_name: str, cpu_name: str, gpu_blocks: int, cpu_blocks: int) 
 )
 def test_an_engine_that_cannot_execute_the_managers_plans_is_refused_when_the_manager_is_built(names, sizes, message):
     with _cpu_engine(*names, *sizes) as eng, pytest.raises(InvalidArgumentError, match=message) as info:
-        TierManager(32, 32, 4, eng)
+        TierManager(ManagerConfig(32, 32, 4), eng)
     assert isinstance(info.value, TieredKVError)
 
 
 def test_an_engine_whose_tiers_fit_is_accepted_and_a_controlled_engine_is_checked_too():
     with _cpu_engine("GPU", "CPU", 32, 40) as eng:
-        assert TierManager(32, 40, 4, eng).num_layers == 2
-        assert TierManager(16, 0, 4, eng).store is None  # no CPU tier: its storage is not needed
+        assert TierManager(ManagerConfig(32, 40, 4), eng).num_layers == 2
+        no_cpu = TierManager(ManagerConfig(16, 0, 4), eng)  # no CPU tier: its storage is not needed
+        assert not no_cpu.has_cpu_tier and no_cpu.store.capacity == 0  # an empty store stands in for it
     cm = CostModel(kv_bytes_per_token=1024, block_size=4)
     with pytest.raises(InvalidArgumentError, match="copy_engine's GPU tier holds 8 blocks"):
-        TierManager(32, 32, 4, ControlledCopyEngine({"GPU": 8, "CPU": 32}), cost_model=cm)
-    assert TierManager(32, 32, 4, ControlledCopyEngine(), cost_model=cm).store is not None  # unvalidated: unchecked
+        TierManager(ManagerConfig(32, 32, 4), ControlledCopyEngine({"GPU": 8, "CPU": 32}), cost_model=cm)
+    assert TierManager(ManagerConfig(32, 32, 4), ControlledCopyEngine(), cost_model=cm).has_cpu_tier  # unchecked
 
 
 def test_a_failed_copy_says_why_in_its_completion():
@@ -181,7 +182,7 @@ def test_log_size_is_checked_and_none_keeps_everything():
     cm = CostModel(kv_bytes_per_token=1024, block_size=4)
     for bad in (0, -1, 2.0, True):
         with pytest.raises(InvalidArgumentError, match="log_size"):
-            TierManager(9, 0, 4, ControlledCopyEngine(), cost_model=cm, log_size=bad)
+            TierManager(ManagerConfig(9, 0, 4, log_size=bad), ControlledCopyEngine(), cost_model=cm)
     tm, _ = make_tm(gpu=9, cpu=0, log_size=None)
     for i in range(4):
         run(tm, f"r{i}", "abcd")

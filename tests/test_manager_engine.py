@@ -5,7 +5,7 @@ import torch
 from engineutil import SPEC, fill_random, tiers
 
 from tiered_kv.core import Request
-from tiered_kv.manager import Residency, TierManager
+from tiered_kv.manager import ManagerConfig, Residency, TierManager
 from tiered_kv.transfer.cpu_engine import CpuCopyEngine
 
 
@@ -19,7 +19,7 @@ def settle(tm):
 def test_swap_out_overwrite_and_resume_into_other_blocks_keeps_the_bytes(layout):
     t = tiers(layout, gpu_blocks=9, cpu_blocks=9)
     with CpuCopyEngine(t, max_blocks_per_chunk=2) as eng:
-        tm = TierManager(9, 9, SPEC.block_size, eng)  # KV sizes from the engine's spec
+        tm = TierManager(ManagerConfig(9, 9, SPEC.block_size), eng)  # KV sizes from the engine's spec
         a = Request("A", list(range(100, 114)))  # 14 tokens: 4 blocks
         assert tm.admit(a, 14).runnable
         table = tm.gpu_block_ids("A")

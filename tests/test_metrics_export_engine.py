@@ -17,12 +17,13 @@ import urllib.request
 from collections import Counter
 
 import pytest
+from engine_configs import engine_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiered_kv.engine.engine import Engine
-from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, MissingDependencyError
 from tiered_kv.manager.outcomes import Completion
+from tiered_kv.manager.states import Residency
 from tiered_kv.obs import LATENCY_BUCKETS_S, decision_reason
 from tiered_kv.sched import RequestStatus
 from tiered_kv.transfer.cpu_engine import CpuCopyEngine
@@ -56,8 +57,12 @@ def expected(engine: Engine, applied: list[Completion]) -> Samples:
     m = engine.metrics()
     c = m.counters
     sched = engine.scheduler
-    status = Counter(sched.status.values())
     S = RequestStatus
+    # An arriving request waits while its prefix loads, and counts as swapped while its swap-in lands.
+    status = Counter(
+        (S.WAITING if sched.tm.state(rid).residency is Residency.LOADING else S.SWAPPED) if st is S.ARRIVING else st
+        for rid, st in sched.status.items()
+    )
     plain = {
         "vllm:kv_cache_usage_perc": m.gpu_usage,
         "vllm:prefix_cache_queries_total": c.gpu_query_tokens,
@@ -66,8 +71,8 @@ def expected(engine: Engine, applied: list[Completion]) -> Samples:
         "vllm:external_prefix_cache_hits_total": c.cpu_hit_tokens,
         "vllm:num_preemptions_total": c.preemptions_swap + c.preemptions_recompute,
         "vllm:num_requests_running": status[S.RUNNING],
-        "vllm:num_requests_waiting": status[S.WAITING] + status[S.LOADING],
-        "tiered_kv:num_requests_swapped": status[S.SWAPPING_OUT] + status[S.SWAPPED] + status[S.SWAPPING_IN],
+        "vllm:num_requests_waiting": status[S.WAITING],
+        "tiered_kv:num_requests_swapped": status[S.SWAPPED],
         "tiered_kv:cpu_cache_usage_perc": m.cpu_usage,
         "tiered_kv:cpu_cached_blocks": m.cpu_cached_blocks,
         "tiered_kv:cpu_pinned_blocks": m.cpu_pinned_blocks,
@@ -138,7 +143,7 @@ def workload(engine: Engine) -> None:
 
 
 def make_engine(copy_engine=Synchronous, **kw) -> tuple[Engine, list[Completion]]:
-    config = EngineConfig(num_gpu_blocks=18, num_cpu_blocks=12, mode="auto", offload="write_through", **kw)
+    config = engine_config(num_gpu_blocks=18, num_cpu_blocks=12, mode="auto", offload="write_through", **kw)
     e = Engine(config=config, copy_engine=copy_engine)
     applied: list[Completion] = []
     e.scheduler.completion_observers.append(applied.append)
@@ -233,7 +238,7 @@ def test_serving_twice_is_refused_and_closing_twice_is_fine():
 def test_a_bad_metrics_port_fails_before_the_engine_starts_anything(port):
     before = set(threading.enumerate())
     with pytest.raises(InvalidArgumentError, match="metrics port must be an int from 0 to 65535"):
-        Engine(config=EngineConfig(num_gpu_blocks=8, metrics_port=port))
+        Engine(config=engine_config(num_gpu_blocks=8, metrics_port=port))
     assert set(threading.enumerate()) == before
 
 
@@ -241,4 +246,4 @@ def test_without_prometheus_client_the_port_fails_with_the_extra_to_install(monk
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as on an install without the extra
     monkeypatch.delitem(sys.modules, "tiered_kv.obs.prometheus", raising=False)
     with pytest.raises(MissingDependencyError, match=r"pip install 'tiered-kv\[metrics\]'"):
-        Engine(config=EngineConfig(num_gpu_blocks=8, metrics_port=0))
+        Engine(config=engine_config(num_gpu_blocks=8, metrics_port=0))

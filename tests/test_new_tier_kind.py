@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
+from engine_configs import engine_config
 from test_engine_exact import check
 from test_sim_tiers import BLOCK, CPU_ONLY, simulate, tiny
 from test_tiers_engine import EVERYONE, FILLERS, FIRST, LATER, prefix_keys, serve
 
 from tiered_kv.engine.engine import Engine
-from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.sim.config import setup, validate_config
 from tiered_kv.tiers.io_engine import BlockIOEngine, Job
@@ -109,7 +109,7 @@ def test_the_new_kind_is_found_by_its_type_beside_the_packages_own():
 
 
 def test_the_engine_loads_an_evicted_prefix_back_from_the_new_kind_with_the_same_tokens():
-    config = EngineConfig(num_gpu_blocks=24, num_cpu_blocks=8, offload="write_through", record_logits=True)
+    config = engine_config(num_gpu_blocks=24, num_cpu_blocks=8, offload="write_through", record_logits=True)
     fast = TierLink(bytes_per_s=4e9, block_latency_s=1e-6)  # its default link is slower than recomputing here
     e = Engine(config=config, tiers=[MemoTier(write_policy="write_through", link=fast)])
     serve(e, [FIRST, *FILLERS])

@@ -17,7 +17,7 @@ from simutil import KIB_IN_GIB, config, run
 
 from tiered_kv.core import Request
 from tiered_kv.errors import InvalidArgumentError, TieredKVError
-from tiered_kv.manager import CostModel, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.transfer import ControlledCopyEngine
 
@@ -70,7 +70,9 @@ def test_a_free_swap_victim_resumed_from_the_gpu_cache_is_not_swapped_again_befo
     # B's computed prompt (8 tokens, 2 blocks) is all stored by write-through, so swapping it out copies
     # nothing and its blocks stay cached on the GPU: it resumes at once, with no copy, after the batch.
     eng = ControlledCopyEngine({"GPU": 7, "CPU": 16})
-    tm = TierManager(7, 16, 4, eng, cost_model=CostModel(kv_bytes_per_token=64, block_size=4), offload="write_through")
+    tm = TierManager(
+        ManagerConfig(7, 16, 4, offload="write_through"), eng, cost_model=CostModel(kv_bytes_per_token=64, block_size=4)
+    )
     s = Scheduler(
         tm, SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, victim_policy="cost_aware", mode="swap")
     )
@@ -100,7 +102,9 @@ def test_a_free_swap_victim_resumed_from_the_gpu_cache_is_not_swapped_again_befo
 def _no_chunking(gpu: int = 9, budget: int = 16) -> Scheduler:
     eng = ControlledCopyEngine({"GPU": gpu, "CPU": 2})
     cm = CostModel(kv_bytes_per_token=64, block_size=4)
-    tm = TierManager(gpu, 0, 4, eng, cost_model=cm, enable_caching=False)  # a recompute computes it all again
+    tm = TierManager(
+        ManagerConfig(gpu, 0, 4, enable_caching=False), eng, cost_model=cm
+    )  # a recompute computes it all again
     return Scheduler(tm, SchedulerConfig(max_num_batched_tokens=budget, chunked_prefill=False, mode="recompute"))
 
 

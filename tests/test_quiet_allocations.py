@@ -13,7 +13,7 @@ from test_scheduler import drive, four, make
 
 from tiered_kv.core import BlockStored, KVCacheManager, Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
-from tiered_kv.manager import TierManager
+from tiered_kv.manager import ManagerConfig, TierManager
 from tiered_kv.sched import SchedulerConfig
 from tiered_kv.sim.config import setup
 from tiered_kv.sim.simulator import Simulator
@@ -139,9 +139,9 @@ def test_a_manager_that_reports_nothing_quiet_is_asked_every_allocation():
         class Counting(base):  # type: ignore[misc, valid-type]
             allocations = 0
 
-            def allocate(self, request_id, num_new_tokens):
+            def grow(self, request_id, num_new_tokens):
                 type(self).allocations += 1
-                return super().allocate(request_id, num_new_tokens)
+                return super().grow(request_id, num_new_tokens)
 
         s, eng = make(gpu=40, manager_class=Counting, mode="recompute")
         four(s)
@@ -160,7 +160,7 @@ def test_scheduler_decides_the_same_with_and_without_skipping(mode, gpu):
         s, eng = make(gpu=gpu, cpu=16 if mode != "recompute" else 0, mode=mode, manager_class=manager_class)
         four(s)
         s.add_request(Request("E", [7] * 5, max_tokens=20, arrival_time=4.0))
-        logs.append((drive(s, eng, steps=200), s.metrics().counters))
+        logs.append((drive(s, eng, steps=200), s.tm.metrics().counters))
     assert logs[0] == logs[1]
     assert any(pre for _, pre, _ in logs[0][0]) or gpu == 40  # the small pools do preempt
 
@@ -217,7 +217,7 @@ def _random_run(seed: int, skip: bool, mode: str, layerwise: bool) -> list:
     spec = KVSpec(3, 1, 2, "float32", 4)  # 48 bytes of KV per token
     cm = CostModel(kv_bytes_per_token=spec.bytes_per_token, block_size=4, d2h_bytes_per_s=1e12, h2d_bytes_per_s=1e12)
     manager_class = TierManager if skip else PlainPathTierManager
-    tm = manager_class(gpu, cpu, 4, eng, cost_model=cm, kv_spec=spec if layerwise else None)
+    tm = manager_class(ManagerConfig(gpu, cpu, 4), eng, cost_model=cm, kv_spec=spec if layerwise else None)
     config = SchedulerConfig(max_num_batched_tokens=rng.choice([6, 16, 64]), mode=mode, layerwise=layerwise)
     s = Scheduler(tm, config)
     log: list = []
@@ -246,7 +246,7 @@ def _random_run(seed: int, skip: bool, mode: str, layerwise: bool) -> list:
     for _ in range(10):  # copies still in flight (stores): land them without blocking
         eng.complete_all()
         s.settle()
-    log.append((s.num_unfinished, s.copies_in_flight(), s.metrics().counters))
+    log.append((s.num_unfinished, s.copies_in_flight(), s.tm.metrics().counters))
     return log
 
 

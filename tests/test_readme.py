@@ -49,7 +49,7 @@ def test_the_readme_is_at_most_250_lines_and_keeps_the_two_commands_ci_runs_the_
 def test_the_readme_scheduler_example_serves_every_request_preempting_on_the_way():
     (ns,) = run_blocks(README)
     assert sorted(ns["done"]) == [0, 1, 2, 3, 4]
-    c = ns["sched"].metrics().counters
+    c = ns["sched"].tm.metrics().counters
     assert c.preemptions_swap + c.preemptions_recompute > 0
 
 

@@ -22,7 +22,7 @@ from poolutil import letters
 
 from tiered_kv.core import Request
 from tiered_kv.errors import InvalidArgumentError, UnknownRequestError
-from tiered_kv.manager import CostModel, PreemptMode, Residency, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, PreemptMode, Residency, TierManager
 from tiered_kv.sched import RequestStatus, Scheduler, SchedulerConfig
 from tiered_kv.transfer import ControlledCopyEngine
 
@@ -40,7 +40,7 @@ class Run:
 
     def __init__(self, mode: str, gpu: int = 6) -> None:
         self.eng = ControlledCopyEngine({"GPU": gpu, "CPU": 16})
-        self.tm = TierManager(gpu, 16, 4, self.eng, cost_model=CM, offload="write_through")
+        self.tm = TierManager(ManagerConfig(gpu, 16, 4, offload="write_through"), self.eng, cost_model=CM)
         self.s = Scheduler(self.tm, SchedulerConfig(mode=mode))
         self.finished: list = []  # every on_request_finished the store received, in order
         close = self.tm.store.on_request_finished
@@ -62,12 +62,12 @@ class Run:
         self.s.check_consistency()
         self.tm.check_invariants()
 
-    def until(self, rid: str, status: RequestStatus) -> None:
+    def until(self, rid: str, status: RequestStatus, residency: Residency | None) -> None:
         for _ in range(40):
             self.step()
-            if self.s.status.get(rid) is status:
+            if self.s.status.get(rid) is status and self.tm.state(rid).residency is residency:
                 return
-        raise AssertionError(f"{rid} never became {status.value}")
+        raise AssertionError(f"{rid} never became {status.value} with its KV {residency}")
 
     def to_the_end(self) -> None:
         for _ in range(60):
@@ -99,15 +99,15 @@ def test_a_request_that_finishes_closes_its_store_request_once():
     ("mode", "status", "residency"),
     [
         ("swap", St.RUNNING, Residency.GPU),
-        ("swap", St.SWAPPING_OUT, Residency.SWAPPING_OUT),
+        ("swap", St.SWAPPED, Residency.SWAPPING_OUT),
         ("swap", St.SWAPPED, Residency.CPU),
-        ("swap", St.SWAPPING_IN, Residency.SWAPPING_IN),
+        ("swap", St.ARRIVING, Residency.SWAPPING_IN),
         ("recompute", St.WAITING, None),  # a recompute victim: the manager holds nothing, the store request is open
     ],
 )
 def test_aborting_a_request_in_any_state_closes_its_store_request_once(mode, status, residency):
     r = Run(mode)
-    r.until("B", status)
+    r.until("B", status, residency)
     assert r.tm.is_open("B") and (r.tm.residency("B") if r.tm.holds("B") else None) is residency
     running = [rid for rid in ("A", "B") if rid in r.s.requests]  # A has finished before B swaps in
     assert r.tm.store.open_requests() == running
@@ -119,7 +119,9 @@ def test_aborting_a_request_in_any_state_closes_its_store_request_once(mode, sta
 
 def test_the_reported_leak_an_aborted_recompute_victim_leaves_nothing_open():
     """The reproducer: b is preempted by recompute on the second step, aborted, and a finishes."""
-    tm = TierManager(5, 8, 2, ControlledCopyEngine(), cost_model=CostModel(kv_bytes_per_token=8, block_size=2))
+    tm = TierManager(
+        ManagerConfig(5, 8, 2), ControlledCopyEngine(), cost_model=CostModel(kv_bytes_per_token=8, block_size=2)
+    )
     s = Scheduler(tm, SchedulerConfig(mode="recompute"))
     s.add_request(Request("a", [1, 2, 3, 4], max_tokens=3))
     s.add_request(Request("b", [5, 6, 7, 8], max_tokens=3))
@@ -145,7 +147,8 @@ def _loading(mode: str = "swap") -> tuple[Run, Request]:
     c = r.reqs["C"] = Request("C", [*range(1, 7), 99], max_tokens=4)
     r.s.add_request(c)
     r.step()
-    assert r.s.status["C"] is St.LOADING and r.tm.store.open_requests() == ["C"]
+    assert r.s.status["C"] is St.ARRIVING and r.tm.state("C").residency is Residency.LOADING
+    assert r.tm.store.open_requests() == ["C"]
     return r, c
 
 
@@ -162,7 +165,8 @@ def test_a_failed_onboarding_then_an_abort_closes_its_store_request_once():
     (plan_id,) = r.eng.pending_ids()
     r.eng.fail(plan_id)
     r.step(complete=False)  # the failed load settles, C goes back to waiting and is admitted again: a new load
-    assert r.s.status["C"] is St.LOADING and r.eng.pending_ids() != [plan_id]
+    assert r.s.status["C"] is St.ARRIVING and r.tm.state("C").residency is Residency.LOADING
+    assert r.eng.pending_ids() != [plan_id]
     assert r.tm.store.open_requests() == ["C"]  # the same store request throughout
     r.s.abort("C")
     r.to_the_end()
@@ -230,11 +234,14 @@ def test_readmission_after_a_recompute_preemption_is_the_same_store_request():
     assert tm.store.open_requests() == [] and not tm.is_open("a")
 
 
-def test_without_a_cpu_store_nothing_outlives_the_kv():
+def test_without_a_cpu_tier_a_request_is_open_until_freed_all_the_same():
+    """One rule with or without a CPU tier: an admitted request stays open, its KV gone or not, until freed."""
     tm, _ = make_tm(gpu=13, cpu=0)
     run(tm, "a", "AAAABBBBC")
     tm.preempt("a", "recompute")
-    assert (tm.holds("a"), tm.is_open("a")) == (False, False)
+    assert (tm.holds("a"), tm.is_open("a")) == (False, True)
+    tm.free("a")
+    assert tm.is_open("a") is False
     with pytest.raises(UnknownRequestError):
         tm.free("a")
 

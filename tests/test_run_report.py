@@ -20,7 +20,7 @@ from reportutil import printed, table
 from simutil import KIB_IN_GIB, TINY
 
 from tiered_kv.core import Request
-from tiered_kv.manager import CostModel, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.sim import run_tables, trace_report
 from tiered_kv.sim.config import load_config, setup
@@ -40,7 +40,7 @@ def step_all(s: Scheduler, eng: ControlledCopyEngine) -> None:
 def test_a_recompute_victims_own_blocks_found_again_are_not_prefix_hits():
     """Two prompts that share nothing; b is recomputed and finds its own first block again at re-admission."""
     eng = ControlledCopyEngine({"GPU": 5, "CPU": 2}, bytes_per_block=16)
-    tm = TierManager(5, 0, 2, eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=2))
+    tm = TierManager(ManagerConfig(5, 0, 2), eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=2))
     s = Scheduler(tm, SchedulerConfig(64, 4, mode="recompute"))
     s.add_request(Request("a", [1, 2, 3, 4], max_tokens=3))
     s.add_request(Request("b", [5, 6, 7, 8], max_tokens=3))

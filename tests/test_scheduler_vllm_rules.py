@@ -12,7 +12,7 @@ from poolutil import letters
 
 from tiered_kv.core import Request
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.manager import CostModel, PreemptMode, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, PreemptMode, TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.transfer import ControlledCopyEngine
 
@@ -22,7 +22,7 @@ R, S = PreemptMode.RECOMPUTE, PreemptMode.SWAP
 def make(gpu: int, cpu: int = 0, watermark: float = 0.0, **cfg) -> tuple[Scheduler, ControlledCopyEngine]:
     eng = ControlledCopyEngine({"GPU": gpu, "CPU": max(cpu, 2)})
     cm = CostModel(kv_bytes_per_token=8, block_size=4, d2h_bytes_per_s=1e12, h2d_bytes_per_s=1e12)
-    tm = TierManager(gpu, cpu, 4, eng, cost_model=cm, watermark=watermark)
+    tm = TierManager(ManagerConfig(gpu, cpu, 4, watermark=watermark), eng, cost_model=cm)
     return Scheduler(tm, SchedulerConfig(**cfg)), eng
 
 

@@ -297,7 +297,7 @@ def test_a_request_aborted_while_its_prefix_is_staged_is_dropped_once_the_load_s
     sched = Scheduler(s.tm)
     sched.add_request(Request("Q", letters("AAAABBBBCCCCX")))
     sched.schedule()
-    assert sched.status["Q"] is RequestStatus.LOADING
+    assert sched.status["Q"] is RequestStatus.ARRIVING and s.tm.state("Q").residency is Residency.LOADING
     sched.abort("Q")  # its staging cannot be cancelled: the request goes when its load settles
     assert s.tm.holds("Q") and sched.num_unfinished == 1
     s.gate.open.set()

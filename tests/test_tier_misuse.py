@@ -22,7 +22,7 @@ from tiered_kv.errors import (
     TieredKVError,
     UnknownRequestError,
 )
-from tiered_kv.manager import CostModel, Residency, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, Residency, TierManager
 from tiered_kv.transfer import ControlledCopyEngine, TransferHandle, TransferPlan
 
 np = pytest.importorskip("numpy")
@@ -194,11 +194,11 @@ def test_a_cost_model_for_another_kv_shape_is_refused():
     with CpuCopyEngine(tiers("block_contiguous")) as copy:
         wrong = CostModel(kv_bytes_per_token=128 * 1024, block_size=SPEC.block_size)  # Llama-3-8B's, not SPEC's
         with pytest.raises(InvalidArgumentError, match="built for 131072 KV bytes per token, but the storage"):
-            TierManager(16, 16, SPEC.block_size, copy, cost_model=wrong)
-        tm = TierManager(16, 16, SPEC.block_size, copy)  # sizes from the engine's KV spec
+            TierManager(ManagerConfig(16, 16, SPEC.block_size), copy, cost_model=wrong)
+        tm = TierManager(ManagerConfig(16, 16, SPEC.block_size), copy)  # sizes from the engine's KV spec
         assert tm.cost_model.kv_bytes_per_token == SPEC.bytes_per_token
     with pytest.raises(InvalidArgumentError, match="will not guess KV sizes"):
-        TierManager(8, 8, 4, ControlledCopyEngine())
+        TierManager(ManagerConfig(8, 8, 4), ControlledCopyEngine())
 
 
 @pytest.mark.parametrize(
@@ -206,8 +206,8 @@ def test_a_cost_model_for_another_kv_shape_is_refused():
     [
         ({"num_cpu_blocks": 2.0}, "num_cpu_blocks must be 0 or an int >= 2"),
         ({"num_cpu_blocks": 1}, "num_cpu_blocks must be 0 or an int >= 2"),
-        ({"num_gpu_blocks": True}, "num_blocks must be an int >= 2"),
-        ({"num_gpu_blocks": 0}, "num_blocks must be an int >= 2"),
+        ({"num_gpu_blocks": True}, "num_gpu_blocks must be an int >= 2"),
+        ({"num_gpu_blocks": 0}, "num_gpu_blocks must be an int >= 2"),
         ({"block_size": 4.0}, "block_size must be a positive int"),
         ({"block_size": -16}, "block_size must be a positive int"),
         ({"offload": None}, "offload must be one of"),
@@ -233,8 +233,9 @@ def test_bad_construction(kwargs, message):
         "cost_model": CostModel(kv_bytes_per_token=8, block_size=4),
     }
     args.update(kwargs)
+    collaborators = {k: args.pop(k) for k in ("copy_engine", "cost_model")}
     with pytest.raises(InvalidArgumentError, match=message):
-        TierManager(**args)
+        TierManager(ManagerConfig(**args), collaborators["copy_engine"], cost_model=collaborators["cost_model"])
 
 
 @pytest.mark.parametrize("bad", [2.5, np.int64(4)])
@@ -325,7 +326,7 @@ class RaisingEngine(ControlledCopyEngine):
 
 def test_an_engine_raising_anything_is_a_failed_copy_and_rolls_back():
     eng = RaisingEngine({"GPU": 9, "CPU": 9})
-    tm = TierManager(9, 9, 4, eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=4))
+    tm = TierManager(ManagerConfig(9, 9, 4), eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=4))
     eng.broken = False
     run(tm, "A", "AAAABBBBCC")
     eng.broken = True
@@ -390,7 +391,7 @@ class GatedEngine(ControlledCopyEngine):
 
 def test_a_second_thread_entering_is_refused_with_a_clear_error():
     eng = GatedEngine({"GPU": 9, "CPU": 9})
-    tm = TierManager(9, 9, 4, eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=4))
+    tm = TierManager(ManagerConfig(9, 9, 4), eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=4))
     eng.release.set()
     run(tm, "A", "AAAABBBBCC")
     run(tm, "B", "XXXX")
@@ -426,7 +427,7 @@ def test_copy_engine_threads_complete_handles_while_the_owner_polls():
 
     t = tiers("block_contiguous", gpu_blocks=33, cpu_blocks=65)
     with CpuCopyEngine(t, max_blocks_per_chunk=1) as copy:
-        tm = TierManager(33, 65, SPEC.block_size, copy)
+        tm = TierManager(ManagerConfig(33, 65, SPEC.block_size), copy)
         for i in range(8):
             r = Request(i, list(range(100 * i, 100 * i + 14)))
             assert tm.admit(r, 14).runnable

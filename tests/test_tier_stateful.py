@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tiered_kv.core import Request
 from tiered_kv.errors import InvalidTransitionError
-from tiered_kv.manager import CostModel, Residency, TierManager
+from tiered_kv.manager import CostModel, ManagerConfig, Residency, TierManager
 from tiered_kv.manager.victim_policy import Candidate, get_victim_policy, select_victims
 from tiered_kv.transfer import ControlledCopyEngine, PlanKind
 
@@ -49,16 +49,18 @@ class TierMachine(RuleBasedStateMachine):
         cm = CostModel(kv_bytes_per_token=8, block_size=BS)
         caching = offload != "no caching"
         self.tm = TierManager(
-            GPU,
-            CPU,
-            BS,
+            ManagerConfig(
+                GPU,
+                CPU,
+                BS,
+                offload=offload if caching else "none",
+                store_policy=store_policy,
+                hash_fn="fast",
+                enable_caching=caching,
+                evict_window=window,
+            ),
             self.eng,
             cost_model=cm,
-            offload=offload if caching else "none",
-            store_policy=store_policy,
-            hash_fn="fast",
-            enable_caching=caching,
-            evict_window=window,
         )
 
     # ------------------------------------------------------------------ helpers

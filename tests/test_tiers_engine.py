@@ -17,13 +17,13 @@ import random
 import threading
 
 import pytest
+from engine_configs import engine_config
 from test_engine_exact import LAYOUTS, MAX_TOKENS, check
 from tierutil import NS, host
 
 from tiered_kv.core import BlockHasher
 from tiered_kv.core.request import Request
 from tiered_kv.engine.engine import Engine
-from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.errors import InvalidArgumentError, StorageError
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.kinds.disk import DiskTier
@@ -40,7 +40,7 @@ EVERYONE = {**FIRST, **FILLERS[0], **FILLERS[1], **FILLERS[2], **LATER}
 
 def tiered(*tiers, **kw) -> Engine:
     """An engine whose CPU tier holds 7 blocks: the fillers evict the prefix from it (and from the GPU)."""
-    config = EngineConfig(num_gpu_blocks=24, num_cpu_blocks=8, offload="write_through", record_logits=True, **kw)
+    config = engine_config(num_gpu_blocks=24, num_cpu_blocks=8, offload="write_through", record_logits=True, **kw)
     return Engine(config=config, tiers=list(tiers))
 
 
@@ -194,7 +194,7 @@ def test_bad_tier_options_fail_and_leave_nothing_open(tmp_path):
     with pytest.raises(InvalidArgumentError, match="write_policy must be one of"):
         Engine(tiers=[DiskTier(path=tmp_path / "d", write_policy="sideways")])
     with pytest.raises(InvalidArgumentError, match="num_cpu_blocks=0"):
-        Engine(config=EngineConfig(num_cpu_blocks=0), tiers=[DiskTier(path=tmp_path / "d")])
+        Engine(config=engine_config(num_cpu_blocks=0), tiers=[DiskTier(path=tmp_path / "d")])
     with pytest.raises(
         InvalidArgumentError, match=r"tiers must have distinct media below the CPU, got \['DISK', 'DISK'\]"
     ):

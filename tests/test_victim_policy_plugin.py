@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import simutil
+from engine_configs import engine_config
 from poolutil import letters
 from victim_policy_first import FirstAdmittedPolicy, NotAPolicy
 
@@ -20,6 +21,7 @@ from tiered_kv.manager import (
     VICTIM_POLICIES,
     CostAwarePolicy,
     CostModel,
+    ManagerConfig,
     PreemptMode,
     TierManager,
     VictimPolicy,
@@ -45,7 +47,7 @@ def registry():
 def victims(victim_policy) -> list:
     """The victims of four 8-token requests on a 12-block pool, by recompute (see test_scheduler's FCFS case)."""
     eng = ControlledCopyEngine({"GPU": 13, "CPU": 2})
-    tm = TierManager(13, 0, 4, eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=4))
+    tm = TierManager(ManagerConfig(13, 0, 4), eng, cost_model=CostModel(kv_bytes_per_token=8, block_size=4))
     s = Scheduler(tm, SchedulerConfig(mode="recompute", victim_policy=victim_policy))
     for i, rid in enumerate("ABCD"):
         s.add_request(Request(rid, letters("abcdefgh"[i:] + "abcdefgh"[:i]), max_tokens=12, arrival_time=float(i)))
@@ -72,7 +74,10 @@ def test_an_instance_of_ones_own_policy_is_taken_by_the_scheduler_config():
 def test_a_registered_name_is_taken_by_every_config_and_by_the_simulator(registry):
     register_victim_policy("first_admitted", FirstAdmittedPolicy)
     assert victims("first_admitted") == [("A", R), ("B", R)]
-    assert EngineConfig(victim_policy="first_admitted").scheduler_config().victim_policy == "first_admitted"
+    assert (
+        EngineConfig(scheduler=SchedulerConfig(victim_policy="first_admitted")).scheduler.victim_policy
+        == "first_admitted"
+    )
     cfg = simutil.config(  # a small, slow GPU under a queue of 40 requests: there is preemption
         workload__num_requests=40,
         workload__arrival={"process": "poisson", "rate": 4.0},
@@ -95,7 +100,7 @@ def test_a_registered_name_is_taken_by_every_config_and_by_the_simulator(registr
 def test_a_qualified_class_name_is_taken_without_registration(registry):
     assert "first_admitted" not in registry
     assert victims(QUALIFIED) == [("A", R), ("B", R)]
-    assert EngineConfig(victim_policy=QUALIFIED).victim_policy == QUALIFIED
+    assert EngineConfig(scheduler=SchedulerConfig(victim_policy=QUALIFIED)).scheduler.victim_policy == QUALIFIED
     simutil.config(runs=[{"name": "mine", "victim_policy": QUALIFIED}])  # a run validates it, importing the module
 
 
@@ -144,7 +149,7 @@ def test_what_names_no_policy_is_refused_by_the_configs(value, message):
     with pytest.raises(InvalidArgumentError, match=message):
         SchedulerConfig(victim_policy=value)
     with pytest.raises(InvalidArgumentError, match=message):
-        EngineConfig(victim_policy=value)
+        engine_config(victim_policy=value)
 
 
 def test_the_simulator_refuses_an_unknown_name_and_a_bad_qualified_one():

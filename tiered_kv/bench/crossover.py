@@ -57,6 +57,8 @@ from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.errors import ConfigError, ResourceLimitError
 from tiered_kv.manager.cost_model import CostModel, nnls
+from tiered_kv.manager.manager_config import ManagerConfig
+from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sim.calibration import STEP_TERMS, Calibration, model_config_dict
 from tiered_kv.sim.compute import ComputeModel
 from tiered_kv.sim.profiles import HardwareProfile, ModelProfile
@@ -281,15 +283,12 @@ def fit_step_model(
         e = Engine(
             config,
             EngineConfig(
-                num_gpu_blocks=gpu_blocks,
-                num_cpu_blocks=8192 // block_size,
-                block_size=block_size,
+                manager=ManagerConfig(
+                    num_gpu_blocks=gpu_blocks, num_cpu_blocks=8192 // block_size, block_size=block_size, offload=offload
+                ),
+                scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max_seqs, mode=mode),
                 layout=layout,
-                max_num_batched_tokens=512,
-                max_num_seqs=max_seqs,
                 device=device,
-                mode=mode,
-                offload=offload,
             ),
         )
         for i in range(max(4, int(scale * (3 * max_seqs + 8)))):

@@ -18,6 +18,8 @@ from typing import Any
 from tiered_kv.engine.engine import Engine
 from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.engine.model import ModelConfig
+from tiered_kv.manager.manager_config import ManagerConfig
+from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sim.budget import build_workload
 from tiered_kv.sim.calibration import Calibration, load_calibration
 from tiered_kv.sim.config import RunSetup, load_config, setup
@@ -40,17 +42,21 @@ def run_engine(st: RunSetup, workload: list[SimRequest], cal: Calibration) -> di
     engine = Engine(
         config,
         EngineConfig(
-            num_gpu_blocks=st.num_gpu_blocks,
-            num_cpu_blocks=st.num_cpu_blocks,
-            block_size=st.block_size,
+            manager=ManagerConfig(
+                num_gpu_blocks=st.num_gpu_blocks,
+                num_cpu_blocks=st.num_cpu_blocks,
+                block_size=st.block_size,
+                offload=st.offload,
+                hash_fn=st.hash_fn,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=st.max_num_batched_tokens,
+                max_num_seqs=st.max_num_seqs,
+                chunked_prefill=st.chunked_prefill,
+                victim_policy=st.victim_policy,
+                mode=st.mode,
+            ),
             layout=cal.layout,
-            victim_policy=st.victim_policy,
-            mode=st.mode,
-            offload=st.offload,
-            max_num_batched_tokens=st.max_num_batched_tokens,
-            max_num_seqs=st.max_num_seqs,
-            chunked_prefill=st.chunked_prefill,
-            hash_fn=st.hash_fn,
         ),
         cost_model=st.cost_model,
     )

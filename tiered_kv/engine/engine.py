@@ -86,19 +86,20 @@ class Engine:
     ) -> None:
         cfg = checks.instance("config", config if config is not None else EngineConfig(), EngineConfig)
         lower = check_tier_configs(tiers)
-        if lower and not cfg.num_cpu_blocks:
-            raise InvalidArgumentError("tiers below the CPU stage through the CPU tier: num_cpu_blocks=0")
+        mc = cfg.manager
+        if lower and not mc.num_cpu_blocks:
+            raise InvalidArgumentError("tiers below the CPU stage through the CPU tier: manager.num_cpu_blocks=0")
         self.engine_config: EngineConfig = cfg
         self.config = model_config or ModelConfig()
         self.device = device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        spec = self.config.kv_spec(cfg.block_size)
+        spec = self.config.kv_spec(mc.block_size)
         self.tiers = {
-            "GPU": KVStorage(spec, cfg.num_gpu_blocks, "GPU", cfg.layout, device=device),
-            "CPU": KVStorage(spec, max(cfg.num_cpu_blocks, 2), "CPU", cfg.layout),
+            "GPU": KVStorage(spec, mc.num_gpu_blocks, "GPU", cfg.layout, device=device),
+            "CPU": KVStorage(spec, max(mc.num_cpu_blocks, 2), "CPU", cfg.layout),
         }
         self.copy = (copy_engine or make_copy_engine)(self.tiers)
         tm = self._make_manager(cfg, cost_model)
-        self.scheduler = Scheduler(tm, cfg.scheduler_config())
+        self.scheduler = Scheduler(tm, cfg.scheduler)
         self.model = TinyLlama(self.config, device)
         self.outputs: dict[Hashable, list[int]] = {}
         self.logits: dict[Hashable, list[torch.Tensor]] = {}
@@ -110,7 +111,7 @@ class Engine:
         self.tier_stack: TierStack | None = None  # the tiers below the CPU, when there are any
         try:
             if lower:
-                self.tier_stack = self._attach_tiers(tm, cfg.hash_fn, lower)
+                self.tier_stack = self._attach_tiers(tm, str(mc.hash_fn), lower)
             if cfg.metrics_port is not None:
                 self.serve_metrics(cfg.metrics_port)
         except BaseException:
@@ -125,26 +126,15 @@ class Engine:
         spec = self.tiers["GPU"].spec
         cm = cost_model or CostModel(
             kv_bytes_per_token=spec.bytes_per_token,
-            block_size=cfg.block_size,
+            block_size=cfg.manager.block_size,
             d2h_bytes_per_s=10e9,
             h2d_bytes_per_s=10e9,
             prefill_tokens_per_s=20_000.0,
         )
-        return TierManager(
-            cfg.num_gpu_blocks,
-            cfg.num_cpu_blocks,
-            cfg.block_size,
-            self.copy,
-            kv_spec=spec,
-            cost_model=cm,
-            offload=cfg.offload,
-            hash_fn=cfg.hash_fn,
-            evict_window=cfg.evict_window,
-        )
+        return TierManager(cfg.manager, self.copy, kv_spec=spec, cost_model=cm)
 
     def _attach_tiers(self, tm: TierManager, hash_fn: str, tiers: list[TierConfig]) -> TierStack:
         """Build the tiers below the CPU tier and hand them to the manager; on failure close what was built."""
-        assert tm.store is not None, "checked at construction: tiers need a CPU tier"
         cpu = self.tiers["CPU"]
         stack = TierStack(tm.store, cpu, KVNamespace(self.model_id, cpu.spec, f"{hash_fn}/v1/seed=0"), tiers)
         try:
@@ -201,7 +191,7 @@ class Engine:
         sched = self.scheduler
         if sched.copies_in_flight():
             t0 = time.perf_counter()
-            sched.wait_for_copies(5.0)
+            sched.tm.wait(5.0)  # the next step settles what landed
             self.stats.wait_s += time.perf_counter() - t0
             self._publish_metrics()
             return True
@@ -227,7 +217,7 @@ class Engine:
         for req, n in out.scheduled:
             rid = req.request_id
             c = req.num_computed_tokens
-            table = sched.gpu_block_ids(rid)
+            table = sched.tm.gpu_block_ids(rid)
             self._record_table(rid, table)
             load = out.loads.get(rid)
             wait = None if load is None else (lambda i, h=load: self._wait_layer(h, i))
@@ -281,7 +271,7 @@ class Engine:
 
     def metrics(self) -> MetricsSnapshot:
         """The tier manager's counters and gauges."""
-        return self.scheduler.metrics()
+        return self.scheduler.tm.metrics()
 
     def serve_metrics(self, port: int = 0, host: str = "127.0.0.1") -> str:
         """Serve Prometheus metrics (``docs/metrics.md``) at ``http://host:port/metrics`` until :meth:`close`.

@@ -5,6 +5,7 @@ The CPU store and the stores below it live beside the manager in :mod:`tiered_kv
 
 from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.metrics import LowerTierCounters, MetricsSnapshot, TierCounters
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
 from tiered_kv.manager.pricing import LoadQuote, Quote
@@ -38,6 +39,7 @@ __all__ = [
     "LoadDecision",
     "LoadQuote",
     "LowerTierCounters",
+    "ManagerConfig",
     "MetricsSnapshot",
     "PlanKind",
     "PreemptMode",

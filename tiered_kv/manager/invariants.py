@@ -18,7 +18,7 @@ from tiered_kv.transfer.plan import PlanKind
 
 def check_ownership(
     gpu: KVCacheManager,
-    store: BlockStore | None,
+    store: BlockStore,
     transfers: Transfers,
     swapped: Mapping[Hashable, Sequence[Key] | None],
     other_pins: Mapping[Key, int] | None = None,
@@ -27,7 +27,7 @@ def check_ownership(
 
     Args:
         gpu: The GPU tables and pool.
-        store: The CPU store (``None``: no CPU tier).
+        store: The CPU store (an empty one without a CPU tier).
         transfers: The copies in flight.
         swapped: Every request the manager holds, with the store keys of its
             swapped copy (``None`` while its KV is on the GPU).
@@ -46,8 +46,6 @@ def check_ownership(
         owners[bid] += n
     for b in pool.blocks[1:]:
         assert b.ref_cnt == owners[b.block_id], f"GPU block {b.block_id}: {b.ref_cnt} refs, {owners[b.block_id]} owners"
-    if store is None:
-        return
     store.check_invariants()
     pins: dict[Key, int] = dict(other_pins or {})
     for keys in swapped.values():

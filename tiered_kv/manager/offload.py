@@ -14,7 +14,7 @@ reads.  Either way nothing a copy touches changes hands until it settles.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 from tiered_kv.core.block import KVCacheBlock
@@ -40,7 +40,6 @@ class Offloader:
         gpu: KVCacheManager,
         store: CPUStore,
         transfers: Transfers,
-        free_table: Callable[[Request], None] | None = None,
         contexts: Mapping[Hashable, RequestContext] | None = None,
     ) -> None:
         self.gpu = gpu
@@ -48,8 +47,6 @@ class Offloader:
         self.contexts: Mapping[Hashable, RequestContext] = contexts if contexts is not None else {}
         self.store = store
         self.transfers = transfers
-        #: Frees a request's GPU table (default ``gpu.free``; the manager's also reports the release).
-        self.free_table = free_table if free_table is not None else gpu.free
 
     def _store(
         self, blocks: list[KVCacheBlock], keys: list[Key], rid: object, in_place: bool, num_layers: int = 0
@@ -131,17 +128,20 @@ class Offloader:
         return self.transfers.start(plan, payload=_Load(list(keys), upto_tokens))
 
     def settle_load(self, request: Request, t: Transfer) -> int:
-        """Unpin; on success cache the loaded blocks and return the tokens loaded, else free the table and return 0."""
+        """Unpin; on success cache the loaded blocks and return the tokens loaded, else return 0.
+
+        A failed load leaves the request's GPU table to the caller to free: its
+        fresh blocks were never cached, so nobody can have read them.
+        """
         job: _Load = t.payload
         self.store.complete_load(job.keys)
         if not t.ok:
-            self.free_table(request)  # the fresh blocks were never cached: nobody can have read them
             return 0
         self.gpu.cache_blocks(request, job.upto_tokens)
         return len(job.keys) * self.gpu.block_size
 
-    def settle_store(self, t: Transfer) -> None:
-        """Commit or drop a finished store, then give back the GPU blocks it held."""
+    def settle_store(self, t: Transfer) -> list[KVCacheBlock]:
+        """Commit or drop a finished store, then give back the GPU blocks it held; return them."""
         keys: list[Key] = t.payload  # the keys the store reserved
         self.store.complete_store(keys, t.ok)
-        self.transfers.release(t)
+        return self.transfers.release(t)

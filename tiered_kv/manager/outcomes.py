@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.manager.pricing import LoadQuote, Quote
 from tiered_kv.manager.states import PreemptMode, Residency
-from tiered_kv.transfer.plan import PlanKind, TransferPlan
+from tiered_kv.transfer.plan import PlanKind, TransferHandle, TransferPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,11 +111,13 @@ class Resumption:
             them: a swapped request's blocks are pinned on the CPU tier).
         plan: The swap-in copy, or ``None`` when every block was still cached
             on the GPU (then the request is runnable at once).
+        handle: The swap-in copy's handle (a layer-wise one is waited on layer by layer).
     """
 
     request_id: Hashable
     num_tokens: int
     plan: TransferPlan | None
+    handle: TransferHandle | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,3 +156,23 @@ class Completion:
     num_bytes: int = 0
     elapsed_s: float = 0.0
     error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """GPU room now, and what the copies in flight will give back (``TierManager.room``).
+
+    Attributes:
+        blocks_short: GPU blocks ``allocate`` would lack right now for the
+            request's tokens asked about (0 if they fit, or if none was asked about).
+        blocks_freed_on_completion: GPU blocks that copies in flight will free
+            when they settle (swap-outs, stores of blocks nobody else holds).  A
+            scheduler that cannot allocate counts these before it preempts
+            anyone: waiting for a copy is cheaper than a preemption.
+        copies_in_flight: Copies not settled yet (every kind, moves between
+            the tiers below the GPU included).
+    """
+
+    blocks_short: int
+    blocks_freed_on_completion: int
+    copies_in_flight: int

@@ -42,6 +42,7 @@ from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.pricing import Quote
 from tiered_kv.manager.swap import Swapper
 
 
@@ -143,7 +144,7 @@ class PreemptBounds:
             self.released(blocks)
 
     def lower_bounds(
-        self, requests: Sequence[Request], mode: str, swapper: Swapper | None, lookups: bool = True
+        self, requests: Sequence[Request], mode: str, swapper: Swapper, lookups: bool = True
     ) -> list[float]:
         """For each request on the GPU, a value never above ``quote.cost(mode) / quote.blocks_freed``.
 
@@ -151,7 +152,7 @@ class PreemptBounds:
         recompute times; only the swap-out is bounded from below (the blocks
         moved, at least what ``swapper`` finds missing among a few, or only the
         partial tail without ``lookups``; one run).  ``swapper``: the one that
-        would price its swap-out (``None``: no CPU tier).
+        would price its swap-out (without a CPU tier nothing would move).
         """
         cm = self.cost_model
         # Per block, as the cost model prices them (a rounding apart: the policy keeps a margin).
@@ -174,7 +175,7 @@ class PreemptBounds:
             if mode == "recompute":
                 out.append(rec)
                 continue
-            if swapper is None:
+            if not swapper.has_tier:
                 moved = 0
             elif lookups:
                 moved = swapper.moved_at_least(req, n_tok)
@@ -196,3 +197,27 @@ class PreemptBounds:
                 f"request {rid!r}: kept counts {len(s.freed)} blocks freed in {s.runs} runs, "
                 f"its table has {len(fresh.freed)} in {fresh.runs}"
             )
+
+
+class CandidatePrices:
+    """A victim ranking's prices and bounds of requests on the GPU, by id (what ``Candidate`` calls lazily).
+
+    The manager builds one per ranking over requests it has checked are on
+    the GPU, so the policy's calls go here and on down (the swapper, these
+    bounds), never back up into the manager that asked for the ranking.
+    """
+
+    __slots__ = ("_requests", "_swap", "_bounds", "_cost_model")
+
+    def __init__(
+        self, requests: dict[Hashable, Request], swap: Swapper, bounds: PreemptBounds, cost_model: CostModel
+    ) -> None:
+        self._requests, self._swap, self._bounds, self._cost_model = requests, swap, bounds, cost_model
+
+    def quote(self, request_id: Hashable) -> Quote:
+        """What preempting the request would cost (``TierManager.quote``)."""
+        return self._swap.quote(self._requests[request_id], self._cost_model)
+
+    def lower_bounds(self, request_ids: Sequence[Hashable], mode: str, lookups: bool) -> list[float]:
+        """Lower bounds of the cost-aware key (``TierManager.preemption_bounds``)."""
+        return self._bounds.lower_bounds([self._requests[r] for r in request_ids], mode, self._swap, lookups)

@@ -13,7 +13,7 @@ cancelled copy leaves the request whole where it was.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from tiered_kv.core.block import KVCacheBlock
@@ -58,25 +58,21 @@ class _Out:
 
 
 class Swapper:
-    """Plans and settles swaps between one GPU manager and one store."""
+    """Plans and settles swaps between one GPU manager and one store.
 
-    def __init__(
-        self,
-        gpu: KVCacheManager,
-        store: BlockStore,
-        transfers: Transfers,
-        caching: bool,
-        free_table: Callable[[Request], None] | None = None,
-        on_hits: Callable[[list[KVCacheBlock]], None] | None = None,
-    ) -> None:
+    It never frees a GPU table itself: where a swap gives one up (a swap-out
+    that landed or needed no copy, a swap-in rolled back) it says so in what it
+    returns, and the manager frees it, so the manager alone sees every change
+    of a table's holders.
+    """
+
+    def __init__(self, gpu: KVCacheManager, store: BlockStore, transfers: Transfers, caching: bool) -> None:
         self.gpu = gpu
         self.store = store
         self.transfers = transfers
         self.caching = caching
-        #: Frees a request's GPU table (default ``gpu.free``); the manager's also reports the release.
-        self.free_table = free_table if free_table is not None else gpu.free
-        #: Told of the cached GPU blocks a resumed request takes again (they gained a holder).
-        self.on_hits = on_hits
+        #: Whether the store can hold anything: without a CPU tier the manager's store is an empty one.
+        self.has_tier = store.capacity > 0
         self._generation = 0
 
     # --------------------------------------------------------------- keys
@@ -111,6 +107,8 @@ class Swapper:
         table = self.gpu.get_blocks(request.request_id)
         n_tok = request.num_computed_tokens
         freed = [b.block_id for b in table if b.ref_cnt == 1]
+        if not self.has_tier:  # nothing to swap to: nothing is looked up, nothing would move
+            return price(cost_model, request.request_id, n_tok, len(table), freed, [], 0, False, False)
         keys, _ = self.kv_keys(request, n_tok)
         moved = [table[i].block_id for i in self.store.missing(keys)]
         room = self.store.room_for(keys) >= len(moved)
@@ -155,16 +153,15 @@ class Swapper:
         """Reserve store slots and start the GPU->CPU copy.
 
         Returns the transfer; or, when the store already holds every block
-        ready, the swapped copy itself (pinned, the GPU table freed: nothing to
-        copy); or ``None`` (nothing changed) when the store has no room.
+        ready, the swapped copy itself (pinned: nothing to copy, and the caller
+        frees the GPU table now); or ``None`` (nothing changed) when the store
+        has no room.
         """
         keys, private = self.kv_keys(request, num_tokens, fresh=True)
         store = self.store
         ready = [k for k in keys if store.contains(k) and store.is_ready(k)]
         if len(ready) == len(keys):
-            spec = store.prepare_load(keys)
-            self.free_table(request)
-            return SwappedKV(keys, spec, num_tokens, [])
+            return SwappedKV(keys, store.prepare_load(keys), num_tokens, [])
         prep = store.prepare_store(keys)
         if prep is None:
             return None
@@ -178,7 +175,9 @@ class Swapper:
         return self.transfers.start(plan, payload=job)
 
     def settle_out(self, t: Transfer) -> SwappedKV | None:
-        """Commit a finished swap-out (pin every key, free the GPU table), or roll it back; ``None`` if rolled back.
+        """Commit a finished swap-out (pin every key), or roll it back; ``None`` if rolled back.
+
+        Committed, the GPU table is the caller's to free: the KV is whole on the CPU.
 
         A block the store already had "pending" at the start (another copy
         writing it) must be ready by now; if that copy failed, the request's
@@ -195,9 +194,7 @@ class Swapper:
             if t.ok:  # our copy landed but a block we relied on did not: our private blocks are useless
                 store.remove([k for k in job.private if store.contains(k) and store.is_ready(k)])
             return None
-        spec = store.prepare_load(job.keys)
-        self.free_table(job.request)
-        return SwappedKV(job.keys, spec, job.num_tokens, job.private)
+        return SwappedKV(job.keys, store.prepare_load(job.keys), job.num_tokens, job.private)
 
     # ------------------------------------------------------------ swap-in
     def gpu_hits(self, request: Request, swapped: SwappedKV) -> list[KVCacheBlock]:
@@ -206,28 +203,28 @@ class Swapper:
             return []
         keys = swapped.keys
         # Private keys (blocks no other request can share) are never cached on the GPU: probe up to the first.
+        # Per key, so `.__class__ is`, not type(): 109 against 160 ns per check (timeit, CPython 3.11).
         n = next((i for i, k in enumerate(keys) if k.__class__ is PrivateKey), len(keys))
         return self.gpu.block_pool.get_cached_prefix(keys, n)
 
     def start_in(
         self, request: Request, swapped: SwappedKV, num_layers: int = 0
-    ) -> Transfer | list[KVCacheBlock] | None:
+    ) -> tuple[list[KVCacheBlock], Transfer | None] | None:
         """Give the request a GPU table and start the CPU->GPU copy of what is not cached there.
 
         ``num_layers`` > 0 makes the copy layer-wise (each layer reported as it lands).
-        Returns the transfer, the GPU hits alone when every block was still
-        cached (nothing to copy: the request is whole again at once), or
+        Returns the GPU hits (cached blocks the request holds again: they
+        gained a holder) and the transfer, ``None`` when every block was still
+        cached (nothing to copy: the request is whole again at once); or
         ``None`` (nothing changed) when the GPU blocks do not fit.
         """
         hits = self.gpu_hits(request, swapped)
         new = self.gpu.restore(request, hits, swapped.num_tokens)
         if new is None:
             return None
-        if hits and self.on_hits is not None:
-            self.on_hits(hits)
         n = len(hits)
         if not new:
-            return hits
+            return hits, None
         plan = self.transfers.plan(
             CPU,
             GPU,
@@ -238,7 +235,7 @@ class Swapper:
             True,
             num_layers,
         )
-        return self.transfers.start(plan, payload=swapped)
+        return hits, self.transfers.start(plan, payload=swapped)
 
     def finish_in(self, request: Request, swapped: SwappedKV) -> None:
         """The KV is whole on the GPU: cache the restored blocks; unpin the CPU copy and drop its private part."""
@@ -246,11 +243,14 @@ class Swapper:
         self.release(swapped)
 
     def settle_in(self, request: Request, t: Transfer) -> bool:
-        """Commit a finished swap-in, or roll it back (the CPU copy stays pinned); True if committed."""
+        """Commit a finished swap-in, or roll it back (the CPU copy stays pinned); True if committed.
+
+        Rolled back, the GPU table is the caller's to free: its fresh blocks
+        were never cached, so nobody can have read them.
+        """
         if t.ok:
             self.finish_in(request, t.payload)
             return True
-        self.free_table(request)  # the fresh blocks were never cached: nobody can have read them
         return False
 
     def release(self, swapped: SwappedKV) -> None:

@@ -30,32 +30,32 @@ import functools
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from tiered_kv import checks
 from tiered_kv.core.block import KVCacheBlock
-from tiered_kv.core.hashing import HashFn
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError, UnknownRequestError
-from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE, BoundedLog
+from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.invariants import check_ownership
+from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
-from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
-from tiered_kv.manager.preempt_bounds import PreemptBounds
-from tiered_kv.manager.pricing import Quote, checked_cost_model, price
-from tiered_kv.manager.states import IN_FLIGHT, MODES, PreemptMode, Residency
+from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption, Room
+from tiered_kv.manager.preempt_bounds import CandidatePrices, PreemptBounds
+from tiered_kv.manager.pricing import Quote, checked_cost_model
+from tiered_kv.manager.states import FROM, IN_FLIGHT, MODES, KVState, PreemptMode, Residency, move
 from tiered_kv.manager.swap import SwappedKV, Swapper
-from tiered_kv.manager.tier_moves import TierMoves
+from tiered_kv.manager.tier_moves import Reserved, TierMoves
 from tiered_kv.manager.transfers import Transfer, Transfers
+from tiered_kv.manager.victim_policy import Candidate, VictimPolicy, get_victim_policy
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.tiers.store import RequestContext
-from tiered_kv.tiers.write_policy import check_write_policy
-from tiered_kv.transfer.engine import CopyEngine
+from tiered_kv.transfer.engine import CopyEngine, GatedCopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
 
 EMPTY_PROMPT = (
@@ -93,7 +93,7 @@ def exclusive(method: F) -> F:
         finally:
             lock.release()
 
-    return guarded  # type: ignore[return-value]
+    return cast(F, guarded)
 
 
 @dataclass(slots=True)
@@ -141,79 +141,43 @@ class TierManager:
     """A prefix-cached GPU pool and a CPU store under one manager.
 
     Args:
-        num_gpu_blocks: GPU pool size, null block included.
-        num_cpu_blocks: CPU store size, reserved block 0 included (0: no CPU tier).
-        block_size: Tokens per block.
+        config: Tier sizes and policies (:class:`~.manager_config.ManagerConfig`).
         copy_engine: Executes plans (``submit``/``cancel``).
         kv_spec: The KV geometry of the tiers; bytes per block come from it.
             Default: the copy engine's (``engine.spec``), else the cost model's.
         cost_model: Swap and recompute estimates; refused if built for another
             KV shape.  Default: one built from ``kv_spec``.
-        offload: CPU prefix-tier policy: ``"none"``, ``"write_through"`` (full
-            prompt blocks stored once computed) or ``"write_back"`` (cached GPU
-            blocks nearing eviction stored first; see :meth:`poll`): the vocabulary of
-            :mod:`~tiered_kv.tiers.write_policy`, shared with the tiers below the CPU.
-        store_policy: Eviction policy of the CPU store (``"lru"``, ``"arc"``).
-        enable_caching: Prefix caching.  Off: nothing is hashed or cached; swaps
-            still work, per request.  ``offload`` needs it.
-        hash_fn / hash_seed: Block hashing (shared by both tiers).
-        evict_window: With ``offload="write_back"``, how many blocks at the
-            eviction end of the GPU free queue are kept stored on the CPU.
-        watermark: vLLM 0.33's KV-cache watermark: a fraction in ``[0, 1)`` of
-            the GPU pool (null block included) that an admission must leave
-            free while other requests run (:attr:`watermark_blocks`); ``0.0``,
-            vLLM's default, keeps none.
-        log_size: Entries :attr:`decision_log` and :attr:`load_log` keep: the
-            latest ones, so a long run's memory does not grow with its
-            requests (each log's ``total`` counts every entry); ``None`` keeps all.
 
     Attributes:
+        config: The settings it was built from.
         decision_log: Why each preemption took its mode (a :class:`~.bounded_log.BoundedLog`
-            of :class:`~.outcomes.Decision`, the latest ``log_size``).
+            of :class:`~.outcomes.Decision`, the latest ``config.log_size``).
     """
 
     def __init__(
         self,
-        num_gpu_blocks: int,
-        num_cpu_blocks: int,
-        block_size: int,
+        config: ManagerConfig,
         copy_engine: CopyEngine,
         *,
         kv_spec: KVSpec | None = None,
         cost_model: CostModel | None = None,
-        offload: str = "none",
-        store_policy: str = "lru",
-        enable_caching: bool = True,
-        hash_fn: str | HashFn = "sha256",
-        hash_seed: int = 0,
-        evict_window: int = 64,
-        log_size: int | None = DEFAULT_LOG_SIZE,
-        watermark: float = 0.0,
     ) -> None:
-        check_write_policy("offload", offload)
-        if num_cpu_blocks.__class__ is not int or num_cpu_blocks < 0 or num_cpu_blocks == 1:
-            raise InvalidArgumentError(
-                f"num_cpu_blocks must be 0 or an int >= 2, got {checks.describe(num_cpu_blocks)}"
-            )
-        checks.flag("enable_caching", enable_caching)
-        checks.count("evict_window", evict_window, 1)
-        if log_size is not None:
-            checks.count("log_size", log_size, 1)
-        if offload != "none" and not enable_caching:
-            raise InvalidArgumentError(f"offload={offload!r} keeps a CPU prefix tier, which needs prefix caching")
+        cfg = checks.instance("config", config, ManagerConfig)
         if not all(callable(getattr(copy_engine, n, None)) for n in ("submit", "cancel")):
             raise InvalidArgumentError(
                 f"copy_engine must have submit() and cancel(), got {checks.describe(copy_engine)}"
             )
-        _check_engine_tiers(copy_engine, num_gpu_blocks, num_cpu_blocks)
+        block_size, enable_caching = cfg.block_size, cfg.enable_caching
+        _check_engine_tiers(copy_engine, cfg.num_gpu_blocks, cfg.num_cpu_blocks)
+        self.config: ManagerConfig = cfg
         #: The GPU pool and every request's block table.
         self.gpu: KVCacheManager = KVCacheManager(
-            num_gpu_blocks,
+            cfg.num_gpu_blocks,
             block_size,
             enable_caching=enable_caching,
-            hash_fn=hash_fn,
-            hash_seed=hash_seed,
-            watermark=watermark,
+            hash_fn=cfg.hash_fn,
+            hash_seed=cfg.hash_seed,
+            watermark=cfg.watermark,
         )
         self.cost_model: CostModel = checked_cost_model(kv_spec, cost_model, copy_engine, block_size)
         spec = kv_spec if kv_spec is not None else getattr(copy_engine, "spec", None)
@@ -221,26 +185,24 @@ class TierManager:
         self.num_layers: int = spec.num_layers if isinstance(spec, KVSpec) else 0
         self.block_size: int = block_size
         self.caching: bool = enable_caching
-        #: The CPU tier (``None`` without one).
-        self.store: CPUStore | None = CPUStore(num_cpu_blocks, store_policy) if num_cpu_blocks else None
-        self.offload: str = offload if self.store is not None else "none"
-        self.evict_window: int = evict_window
+        #: The CPU tier; without one (``num_cpu_blocks=0``) an empty store, which refuses every store,
+        #: so every path runs the same way and nothing asks whether the tier exists.
+        self.store: CPUStore = CPUStore(max(cfg.num_cpu_blocks, 1), cfg.store_policy)
+        #: Whether there is a CPU tier to swap and offload to.
+        self.has_cpu_tier: bool = cfg.num_cpu_blocks > 0
+        self.offload: str = cfg.offload if self.has_cpu_tier else "none"
+        self.evict_window: int = cfg.evict_window
         #: The copies in flight and the blocks each holds.
         self.transfers: Transfers = Transfers(copy_engine, self.gpu.block_pool)
         tr = self.transfers
-        self._bounds: PreemptBounds = PreemptBounds(self.gpu, self.cost_model)  # told of every hold and release
-        b = self._bounds
-        tr.on_hold, tr.on_release = b.acquired, b.released
-        self._swap: Swapper | None = (
-            Swapper(self.gpu, self.store, tr, enable_caching, b.free_table, b.acquired) if self.store else None
-        )
+        # Told of every hold and release of a GPU block, by the manager alone (its parts never call up).
+        self._bounds: PreemptBounds = PreemptBounds(self.gpu, self.cost_model)
+        self._swap: Swapper = Swapper(self.gpu, self.store, tr, enable_caching)
         #: The CPU store's view of each admitted request that has not finished (vLLM 0.33's request scope).
         self._store_requests: dict[Hashable, RequestContext] = {}
-        self._off: Offloader | None = (
-            Offloader(self.gpu, self.store, tr, b.free_table, self._store_requests) if self.store else None
-        )
+        self._off: Offloader = Offloader(self.gpu, self.store, tr, self._store_requests)
         self._counters: TierCounters = TierCounters()  # read through the live ``counters`` property
-        self.decision_log: BoundedLog[Decision] = BoundedLog(log_size)
+        self.decision_log: BoundedLog[Decision] = BoundedLog(cfg.log_size)
         self._lower: TierMoves | None = None  # the tiers below the CPU store, once attached
         self._held: dict[Hashable, Held] = {}
         # Requests given GPU blocks for the current step (admitted, or allocated) -> the progress they reach
@@ -301,7 +263,7 @@ class TierManager:
         if found is not None:
             keys = found.keys
         else:
-            keys = self._off.cpu_hits(request, len(gpu_hits)) if self._off is not None and self.caching else []
+            keys = self._off.cpu_hits(request, len(gpu_hits)) if self.caching else []
         n_cpu = len(keys) * self.block_size
         rest = request.num_tokens - n_gpu - n_cpu
         if not chunked and rest > max_new_tokens:
@@ -311,9 +273,11 @@ class TierManager:
         need = self.gpu.num_free_blocks_required(request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, **gates)
         if need > self.gpu.block_pool.get_num_free_blocks():
             return None
+        staged: tuple[TierMoves, Reserved] | None = None
         if found is not None:  # fits: pin and stage now (fewer blocks need no more room)
-            reserved = lower.reserve(found)  # type: ignore[union-attr]
-            keys, n_cpu = reserved.keys, len(reserved.keys) * self.block_size
+            assert lower is not None, "only the tiers below the CPU find prefixes there"
+            staged = lower, lower.reserve(found)
+            keys, n_cpu = staged[1].keys, len(staged[1].keys) * self.block_size
             n_new = min(max_new_tokens, request.num_tokens - n_gpu - n_cpu)
         new = self.gpu.allocate_slots(
             request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, num_external_computed_tokens=n_cpu, **gates
@@ -324,18 +288,19 @@ class TierManager:
         h = self._held[rid] = Held(request, Residency.GPU)
         self._batched[rid] = n_gpu + n_cpu + n_new
         self._open_in_store(request)
-        self._counters.count_lookup(
-            request.num_tokens, n_gpu, n_cpu, self.store is not None, request.num_preemptions > 0
-        )
+        self._counters.count_lookup(request.num_tokens, n_gpu, n_cpu, self.has_cpu_tier, request.num_preemptions > 0)
         plan = None
         if keys:
-            assert self._off is not None
             dst = list(self.gpu.get_blocks(rid)[len(gpu_hits) : len(gpu_hits) + len(keys)])
-            if found is not None:  # staging through the CPU tier: nothing to cancel until the GPU copy starts
-                t, staging = lower.start(reserved, dst, n_gpu)  # type: ignore[union-attr]
+            if staged is not None:  # staging through the CPU tier: nothing to cancel until the GPU copy starts
+                t, staging = staged[0].start(staged[1], dst, n_gpu)
             else:
                 t, staging = self._off.start_load(request, keys, dst, n_gpu + n_cpu), False
-            h.residency, h.plan_id, plan = Residency.LOADING, None if staging else t.plan.plan_id, t.plan
+            h.residency, h.plan_id, plan = (
+                move("admit", None, Residency.LOADING),
+                None if staging else t.plan.plan_id,
+                t.plan,
+            )
             h.num_hit_tokens = n_gpu
         self._tick += 1
         return Admission(new, n_gpu, n_cpu, n_new, plan)
@@ -351,13 +316,33 @@ class TierManager:
         that got its tokens is batched for this step: it is no victim until the
         step ends (see :meth:`preempt`).
         """
+        return self._allocate(request_id, num_new_tokens, num_lookahead_tokens)[1]
+
+    @exclusive
+    def grow(self, request_id: Hashable, num_new_tokens: int) -> int | None:
+        """:meth:`allocate`, and how far the request may grow next without asking: a scheduler's one call per step.
+
+        Returns ``None`` (nothing changed) when the tokens do not fit, else
+        :meth:`quiet_tokens` after the allocation: while a later step keeps
+        ``num_computed_tokens + num_new_tokens`` at most that value, allocating
+        it would change nothing, and a scheduler may skip the call.  The answer
+        holds until the request's KV leaves the GPU or a copy of it settles.
+        """
+        h, new = self._allocate(request_id, num_new_tokens, 0)
+        if new is None:
+            return None
+        return self.gpu.num_quiet_tokens(request_id, delay_cache_blocks=h.residency is not _GPU)
+
+    def _allocate(
+        self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> tuple[Held, list[KVCacheBlock] | None]:
         # A hot path: the lookup of a request on the GPU is inlined; any other case goes through _get.
         try:
             h = self._held.get(request_id)
         except TypeError:
             h = None  # unhashable: _get names the problem
         if h is None or h.residency is not _GPU:
-            h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+            h = self._get(request_id, *FROM["allocate"])
             if not h.layered:
                 h = self._get(request_id, Residency.GPU)  # names the state it is in
             # Its restored blocks are being written: cache nothing until the load lands.
@@ -368,7 +353,7 @@ class TierManager:
             new = self.gpu.allocate_slots(h.request, num_new_tokens, 0, None, num_lookahead_tokens)
         if new is not None:
             self._batched[request_id] = h.request.num_computed_tokens + num_new_tokens
-        return new
+        return h, new
 
     @exclusive
     def quiet_tokens(self, request_id: Hashable) -> int:
@@ -380,7 +365,7 @@ class TierManager:
         settles (a layer-wise load landing starts caching), whichever is first.
         Raises as ``allocate`` does for a request not on the GPU.
         """
-        h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+        h = self._get(request_id, *FROM["allocate"])
         if h.residency is not _GPU:
             if not h.layered:
                 self._get(request_id, Residency.GPU)  # raises, naming the state it is in
@@ -391,15 +376,10 @@ class TierManager:
     @exclusive
     def quote(self, request_id: Hashable) -> Quote:
         """What preempting a request whose KV is on the GPU would cost, by swap and by recompute."""
-        req = self._get(request_id, Residency.GPU).request
-        if self._swap is None:
-            table = self.gpu.get_blocks(request_id)
-            freed = [b.block_id for b in table if b.ref_cnt == 1]
-            return price(self.cost_model, request_id, req.num_computed_tokens, len(table), freed, [], 0, False, False)
-        return self._swap.quote(req, self.cost_model)
+        return self._swap.quote(self._get(request_id, Residency.GPU).request, self.cost_model)
 
     @exclusive
-    def preempt(self, request_id: Hashable, mode: str = "auto") -> Preemption | None:
+    def preempt(self, request_id: Hashable, mode: str = "auto", *, unschedule: bool = False) -> Preemption | None:
         """Preempt one request whose KV is on the GPU, by the mode its quote chooses under ``mode``.
 
         Recompute frees its GPU blocks now and forgets the request; swap starts
@@ -423,12 +403,18 @@ class TierManager:
         :meth:`poll` (a scheduler's first call in a step) or
         :meth:`on_schedule_end`.
 
+        ``unschedule=True`` is :meth:`unschedule` first: the caller has taken
+        the request out of this step's batch (it stays out whatever the answer).
+
         Raises:
             InvalidTransitionError: the request is not on the GPU, or it is
                 batched in this step.  Nothing changes.
         """
         checks.choice("mode", mode, MODES)
-        h = self._get(request_id, Residency.GPU)
+        checks.flag("unschedule", unschedule)
+        h = self._get(request_id, *FROM["preempt"])
+        if unschedule:
+            self._batched.pop(request_id, None)
         if h.request.num_computed_tokens < self._batched.get(request_id, 0):  # its step is not computed yet
             raise InvalidTransitionError(
                 f"request {request_id!r} was batched in this step (admit or allocate gave it blocks for the "
@@ -436,7 +422,7 @@ class TierManager:
                 "blocks a preemption takes.  Preempt a request not batched yet, or take this one out of the "
                 "batch first (unschedule)"
             )
-        q = self.quote(request_id)
+        q = self._swap.quote(h.request, self.cost_model)
         chosen, reason = q.choose(mode)
         if chosen is None:
             return None
@@ -446,13 +432,13 @@ class TierManager:
             chosen, reason = PreemptMode.RECOMPUTE, f"nothing is computed yet, so there is nothing to swap; {reason}"
         plan = None
         if chosen is PreemptMode.SWAP:
-            assert self._swap is not None
             out = self._swap.start_out(h.request, q.num_tokens)
             if out is None:  # the quote said there was room: only an inconsistent store gets here
                 return None
             if isinstance(out, Transfer):
                 h.residency, h.plan_id, plan = Residency.SWAPPING_OUT, out.plan.plan_id, out.plan
             else:  # every block already on the CPU: swapped at once
+                self._bounds.free_table(h.request)
                 h.residency, h.swapped, h.num_stored_blocks = Residency.CPU, out, 0
             self._counters.preemptions_swap += 1
             now, later = (0, q.blocks_freed) if plan is not None else (q.blocks_freed, 0)
@@ -462,45 +448,62 @@ class TierManager:
             now, later = q.blocks_freed, 0
         self._tick += 1
         self.decision_log.append(Decision(self._tick, request_id, mode, chosen, reason, q))
-        res = h.residency if request_id in self._held else None
+        res = move("preempt", Residency.GPU, h.residency if request_id in self._held else None)
         return Preemption(request_id, chosen, reason, plan, now, later, res)
 
     @exclusive
-    def resume(self, request_id: Hashable, layered: bool = False) -> Resumption | None:
+    def resume(
+        self, request_id: Hashable, layered: bool = False, *, num_new_tokens: int = 0, keep_watermark: bool = False
+    ) -> Resumption | None:
         """Bring a swapped request back: re-hit what is still cached on the GPU, copy the rest in.
 
         ``layered``: copy layer by layer, one completion per layer, so the
         request can compute while its KV lands (layer ``i``'s attention waits
         for layer ``i`` only); it may :meth:`allocate` while SWAPPING_IN, and
-        a failed load rolls back whatever it grew.  ``None`` (nothing changed)
-        when the GPU blocks do not fit.
+        a failed load rolls back whatever it grew; the handle to wait on is
+        the outcome's ``handle``.  ``None`` (nothing changed) when the GPU
+        blocks do not fit: the request's KV, and room for ``num_new_tokens``
+        more (:meth:`blocks_to_resume`), plus :attr:`watermark_blocks` with
+        ``keep_watermark`` (a preempted request coming back while others run
+        leaves the watermark free, as an admission does).
         """
-        h = self._get(request_id, Residency.CPU)
+        h = self._get(request_id, *FROM["resume"])
         checks.flag("layered", layered)
+        checks.flag("keep_watermark", keep_watermark)
         if layered and not self.num_layers:
             raise InvalidArgumentError("a layer-wise swap-in needs the KV's layer count: give the manager kv_spec=")
-        assert self._swap is not None and h.swapped is not None
-        out = self._swap.start_in(h.request, h.swapped, self.num_layers if layered else 0)
+        swapped = h.swapped
+        assert swapped is not None
+        need = self._blocks_to_resume(h, swapped, checks.count("num_new_tokens", num_new_tokens))
+        if need + (self.gpu.watermark_blocks if keep_watermark else 0) > self.gpu.block_pool.get_num_free_blocks():
+            return None
+        out = self._swap.start_in(h.request, swapped, self.num_layers if layered else 0)
         if out is None:
             return None
+        hits, t = out
+        if hits:
+            self._bounds.acquired(hits)
         self._tick += 1
-        if isinstance(out, Transfer):
-            h.residency, h.plan_id, h.layered = Residency.SWAPPING_IN, out.plan.plan_id, layered
-            return Resumption(request_id, h.swapped.num_tokens, out.plan)
-        n = h.swapped.num_tokens
-        self._swap.finish_in(h.request, h.swapped)
-        h.residency, h.swapped = Residency.GPU, None
-        return Resumption(request_id, n, None)
+        if t is not None:
+            h.residency, h.plan_id, h.layered = (
+                move("resume", Residency.CPU, Residency.SWAPPING_IN),
+                t.plan.plan_id,
+                layered,
+            )
+            return Resumption(request_id, swapped.num_tokens, t.plan, t.handle)
+        self._swap.finish_in(h.request, swapped)
+        h.residency, h.swapped = move("resume", Residency.CPU, Residency.GPU), None
+        return Resumption(request_id, swapped.num_tokens, None)
 
     @exclusive
     def drop_swapped(self, request_id: Hashable) -> None:
         """Give up a swapped request's CPU copy: it will be recomputed (the scheduler resets its progress)."""
-        self._forget(self._get(request_id, Residency.CPU))
+        self._forget(self._get(request_id, *FROM["drop_swapped"]))
         self._counters.swaps_dropped += 1
 
     @exclusive
-    def free(self, request_id: Hashable) -> None:
-        """End a request (finished or aborted): release what it holds in every tier, and close it.
+    def free(self, request_id: Hashable, *, cancel: bool = False) -> bool:
+        """End a request (finished or aborted): release what it holds in every tier, and close it; True if ended.
 
         Every request :meth:`is_open` ends here once, wherever its KV is: on
         the GPU or the CPU, or already gone (a recompute victim waiting to be
@@ -510,14 +513,25 @@ class TierManager:
         Closing it finishes that request in the store, whose policy then
         commits the request's uses; its copies may still land afterwards.
 
+        ``cancel=True`` (an abort) first cancels a copy of its KV in flight
+        (:meth:`cancel`) and ends the request once the copy is rolled back;
+        when the engine finished the copy first, nothing changes and the answer
+        is False: settle the copy (:meth:`poll`), then free.
+
         Raises:
             UnknownRequestError: the request is not open (never admitted here,
                 or freed already).
-            InvalidTransitionError: a copy of its KV is in flight (cancel it or
-                wait for it first).  Nothing changes in either case.
+            InvalidTransitionError: a copy of its KV is in flight and
+                ``cancel`` is False (cancel it or wait for it first).  Nothing
+                changes in either case.
         """
         checks.hashable("request_id", request_id)
+        checks.flag("cancel", cancel)
         h = self._held.get(request_id)
+        if cancel and h is not None and h.residency in IN_FLIGHT:
+            if not self._cancel(h):
+                return False
+            h = self._held.get(request_id)
         if h is None and request_id not in self._store_requests:
             raise UnknownRequestError(
                 f"request {request_id!r} is not held by this tier manager and not open in its CPU store "
@@ -533,7 +547,8 @@ class TierManager:
         self._batched.pop(request_id, None)
         ctx = self._store_requests.pop(request_id, None)
         if ctx is not None:  # finished: the store commits the request's recency (its copies may still land)
-            self.store.on_request_finished(ctx)  # type: ignore[union-attr]
+            self.store.on_request_finished(ctx)
+        return True
 
     @exclusive
     def is_open(self, request_id: Hashable) -> bool:
@@ -542,11 +557,80 @@ class TierManager:
         True from admission until :meth:`free`: while the manager holds the
         request's KV (:meth:`holds`), and also after it lost it without the
         request ending (a recompute victim, a failed or cancelled onboarding, a
-        dropped swap), while its request stays open in the CPU store.  Without
-        a CPU store nothing outlives the KV, and this is :meth:`holds`.
+        dropped swap), while its request stays open in the CPU store (an
+        empty store without a CPU tier: the rule is the same).
         """
         rid = checks.hashable("request_id", request_id)
         return rid in self._held or rid in self._store_requests
+
+    @exclusive
+    def state(self, request_id: Hashable) -> KVState:
+        """The request's state in the manager: open or not, and where its KV is (the one state machine's state).
+
+        Any hashable id is answered (``KVState(False, None)`` for one never
+        admitted or freed already); a scheduler reads this instead of keeping
+        a copy of where each request's KV is.
+        """
+        rid = checks.hashable("request_id", request_id)
+        h = self._held.get(rid)
+        return KVState(h is not None or rid in self._store_requests, h.residency if h is not None else None)
+
+    @exclusive
+    def room(self, request_id: Hashable | None = None, num_new_tokens: int = 0) -> Room:
+        """GPU room now for the request's next tokens, and what copies in flight will give back (see :class:`Room`).
+
+        ``request_id=None`` asks about no request (``blocks_short`` is 0).
+        Raises as :meth:`allocate` does for a request not on the GPU.
+        """
+        short = 0 if request_id is None else self.blocks_short(request_id, num_new_tokens)
+        return Room(short, self.transfers.blocks_freed_on_completion(self.gpu), len(self.transfers))
+
+    @exclusive
+    def victim(
+        self,
+        requester: Hashable,
+        ranked: Sequence[Hashable],
+        policy: str | VictimPolicy = "last_admitted",
+        mode: str = "auto",
+    ) -> Hashable | None:
+        """Who to preempt so that ``requester`` fits: ``policy``'s first among ``ranked``; ``None`` if nobody may go.
+
+        ``ranked``: the candidates in the scheduler's own preemption order
+        (vLLM's rule; the last is preempted first by ``last_admitted``), every
+        one on the GPU; ``requester`` may be among them.  The policy (a name
+        or an instance, see :mod:`~tiered_kv.manager.victim_policy`) re-ranks
+        them from their quotes and this manager's counts.  Under
+        ``mode="swap"`` a candidate that cannot be swapped (no room on the CPU
+        tier, nothing computed) is passed over, except the requester, which
+        then yields by recompute.  Nothing changes.
+        """
+        checks.choice("mode", mode, MODES)
+        held = [self._get(rid, Residency.GPU) for rid in ranked]
+        prices = CandidatePrices(
+            {h.request.request_id: h.request for h in held}, self._swap, self._bounds, self.cost_model
+        )
+        quote, bounds = prices.quote, prices.lower_bounds
+        candidates = [
+            Candidate(
+                h.request.request_id,
+                rank,
+                len(self.gpu.get_blocks(h.request.request_id)),
+                h.request.num_computed_tokens,
+                h.request.num_prompt_tokens,
+                quote,
+                bounds,
+            )
+            for rank, h in enumerate(held)
+        ]
+        swap_only = mode == "swap"
+        room = self.store.num_free + self.store.num_evictable if swap_only else 0
+        for c in get_victim_policy(policy, self.cost_model).iter_rank(candidates, mode):
+            if swap_only and c.request_id != requester:
+                q = c.quote
+                if not q.can_swap or q.cpu_blocks_needed > room:
+                    continue
+            return c.request_id
+        return None
 
     @exclusive
     def unschedule(self, request_id: Hashable) -> None:
@@ -571,8 +655,6 @@ class TierManager:
         request's tail before its head.
         """
         store = self.store
-        if store is None:
-            return
         rid = request.request_id
         ctx = self._store_requests.get(rid)
         if ctx is None:
@@ -583,20 +665,39 @@ class TierManager:
             ctx.set_positions(list(request.block_hashes), self.block_size, self.block_size)
 
     @exclusive
-    def on_schedule_end(self, new_req_ids: list[Hashable], preempted_req_ids: list[Hashable]) -> None:
+    def on_schedule_end(
+        self, new_req_ids: list[Hashable], preempted_req_ids: list[Hashable], *, layerwise_stores: bool = False
+    ) -> dict[Hashable, TransferHandle]:
         """The end of a scheduler step: the CPU store's ``on_schedule_end`` (vLLM 0.33's step hook).
 
         The step's batch is final: its requests may be chosen as victims again
-        in the next step (see :meth:`preempt`).
+        in the next step (see :meth:`preempt`).  With ``layerwise_stores``
+        (write-through, layer by layer), first the prompt blocks each batched
+        request completes in this step are stored as the step computes them
+        (:meth:`start_layerwise_store`, in the order the batch was given its
+        blocks; not for a request whose own KV is still landing): returns each
+        store's handle by request, whose layers the driver opens as it
+        computes them.
         """
-        if self.store is not None:
-            self.store.on_schedule_end(new_req_ids, preempted_req_ids)
+        checks.flag("layerwise_stores", layerwise_stores)
+        saves: dict[Hashable, TransferHandle] = {}
+        if layerwise_stores:
+            for rid, upto in self._batched.items():
+                h = self._held.get(rid)
+                if h is None or h.residency is not _GPU or h.request.num_computed_tokens >= h.request.num_prompt_tokens:
+                    continue  # its KV is still arriving, or it is decoding: nothing of the prompt to store
+                plan = self._start_layerwise_store(h, upto)
+                if plan is not None:
+                    t = self.transfers.get(plan.plan_id)
+                    if t is not None:
+                        saves[rid] = t.handle
+        self.store.on_schedule_end(new_req_ids, preempted_req_ids)
         self._batched.clear()
+        return saves
 
     def _forget(self, h: Held) -> None:
         self._bounds.free_table(h.request)
         if h.swapped is not None:
-            assert self._swap is not None
             self._swap.release(h.swapped)
         del self._held[h.request.request_id]
 
@@ -649,9 +750,12 @@ class TierManager:
                 f"num_tokens_after_step {num_tokens_after_step} exceeds request {request_id!r}'s "
                 f"{len(req.all_token_ids)} tokens"
             )
+        return self._start_layerwise_store(h, num_tokens_after_step)
+
+    def _start_layerwise_store(self, h: Held, num_tokens_after_step: int) -> TransferPlan | None:
         if self.offload != "write_through" or not self.num_layers:
             return None
-        if not callable(getattr(self.transfers.engine, "open_layer", None)):
+        if not isinstance(self.transfers.engine, GatedCopyEngine):
             return None
         return self._store_prompt_blocks(h, num_tokens_after_step, self.num_layers)
 
@@ -660,38 +764,68 @@ class TierManager:
         upto = min(num_tokens, h.request.num_prompt_tokens) // self.block_size
         if upto <= h.num_stored_blocks:
             return None
-        assert self._off is not None
         t = self._off.write_through(h.request, h.num_stored_blocks, upto, gated_layers)
         h.num_stored_blocks = upto
-        return t.plan if t is not None else None
+        if t is None:
+            return None
+        self._bounds.acquired(t.gpu_holds)
+        return t.plan
 
     @exclusive
     def open_all_layers(self, handle: TransferHandle) -> None:
         """Open every layer of a gated store the driver has not opened (its step's compute is done)."""
         checks.instance("handle", handle, TransferHandle)
+        engine = self.transfers.engine
+        assert isinstance(engine, GatedCopyEngine), "gated plans are made only for engines that open layers"
         for layer in range(handle.num_opened, handle.plan.num_layers):
-            self.transfers.engine.open_layer(handle, layer)  # type: ignore[attr-defined]
+            engine.open_layer(handle, layer)
 
     # ============================================== settling of final copies
     # Copies complete on the engine's side; the manager learns of them only at poll (every final copy,
     # in plan order), process_completion (one now) or cancel.  A landed copy hands its blocks on; a
     # failed or cancelled one is rolled back so the KV stays where it was.
     @exclusive
-    def poll(self) -> list[Completion]:
+    def poll(self, timeout: float | None = 0.0) -> list[Completion]:
         """Settle every copy whose handle is final, in plan order; return what settled.
 
         With on-evict offload it then tops up the saves before eviction: once
         per scheduler step is often enough.  A scheduler polls first in each
         step, so a poll also starts a new batch (see :meth:`preempt`).
+        ``timeout`` other than 0 first waits, up to that long (``None``: no
+        limit), for some copy in flight to become final (:meth:`wait`): a real
+        engine's driver with nothing to compute waits here.
         """
+        if timeout != 0.0:
+            self.transfers.wait(checks.timeout("timeout", timeout))
         self._batched.clear()
         done = [c for t in self.transfers.finished() if (c := self._settle(t)) is not None]
         self._drain_events()
         if self.offload == "write_back":
-            assert self._off is not None
-            self._off.save_window(self.evict_window)
+            t = self._off.save_window(self.evict_window)
+            if t is not None:
+                self._bounds.acquired(t.gpu_holds)
         if self._lower is not None:
             self._lower.tick()
+        return done
+
+    @exclusive
+    def step_computed(
+        self, saves: Sequence[TransferHandle] = (), loads: Sequence[TransferHandle] = ()
+    ) -> list[Completion]:
+        """A step's compute is done: open every layer of its layer-wise ``saves``, settle its layer-wise ``loads``.
+
+        Every layer of a gated store the driver did not open is opened (the
+        step wrote them all), then each layer-wise swap-in the step computed
+        over is settled now, in the order given (one already settled by an
+        abort is skipped): returns their completions.
+        """
+        for h in saves:
+            self.open_all_layers(h)
+        done: list[Completion] = []
+        for h in loads:
+            t = self.transfers.get(h.plan.plan_id)
+            if t is not None and t.handle is h:  # not settled by an abort meanwhile
+                done.append(self.process_completion(h))
         return done
 
     @exclusive
@@ -714,7 +848,9 @@ class TierManager:
         A copy the engine finished first is left for ``poll`` to settle as what
         it is, and the answer is False.
         """
-        h = self._get(request_id)
+        return self._cancel(self._get(request_id))
+
+    def _cancel(self, h: Held) -> bool:
         if h.plan_id is None:
             return False
         self.transfers.cancel(h.plan_id)
@@ -731,28 +867,41 @@ class TierManager:
         return self.transfers.wait(checks.timeout("timeout", timeout))
 
     def _settle(self, t: Transfer) -> Completion | None:
-        if self._lower is not None and self._lower.owns(t):
-            return self._settle_staged(t)
+        lower = self._lower
+        if lower is not None and lower.owns(t):
+            return self._settle_staged(lower, t)
         kind, rid = t.plan.kind, t.plan.request_id
         ok, n_tok = t.ok, 0
         if kind is PlanKind.OFFLOAD:
-            self._off.settle_store(t)  # type: ignore[union-attr]
+            released = self._off.settle_store(t)
+            if released:
+                self._bounds.released(released)
         else:
             h = self._held[rid]
             h.plan_id, h.layered = None, False
             swap = self._swap
             if kind is PlanKind.ONBOARD:
-                loaded = self._off.settle_load(h.request, t)  # type: ignore[union-attr]
+                loaded = self._off.settle_load(h.request, t)
                 n_tok = h.num_hit_tokens + loaded if ok else 0
                 new = Residency.GPU if ok else None  # a failed load leaves nothing: recompute from scratch
+                if not ok:
+                    self._bounds.free_table(h.request)
             elif kind is PlanKind.SWAP_OUT:
-                h.swapped = swap.settle_out(t)  # type: ignore[union-attr]
+                h.swapped = swap.settle_out(t)
                 ok = h.swapped is not None  # landed but the KV is not whole on the CPU: rolled back
                 new, h.num_stored_blocks = (Residency.CPU if ok else Residency.GPU), 0
+                if ok:
+                    self._bounds.free_table(h.request)
             else:
-                ok = swap.settle_in(h.request, t)  # type: ignore[union-attr]
-                n_tok, new = (h.swapped.num_tokens, Residency.GPU) if ok else (0, Residency.CPU)  # type: ignore[union-attr]
-                h.swapped = None if ok else h.swapped
+                swapped = h.swapped
+                assert swapped is not None
+                ok = swap.settle_in(h.request, t)
+                n_tok, new = (swapped.num_tokens, Residency.GPU) if ok else (0, Residency.CPU)
+                if ok:
+                    h.swapped = None
+                else:
+                    self._bounds.free_table(h.request)
+            move("settle", h.residency, new)
             if new is None:
                 del self._held[rid]
             else:
@@ -764,9 +913,9 @@ class TierManager:
         why = None if err is None else f"{type(err).__name__}: {err}"
         return Completion(t.plan.plan_id, rid, kind, ok, n_tok, res, t.handle.num_bytes, t.handle.elapsed_s, why)
 
-    def _settle_staged(self, t: Transfer) -> Completion | None:
+    def _settle_staged(self, lower: TierMoves, t: Transfer) -> Completion | None:
         """A move of the chain settled; the last staging move of a load starts its GPU copy, or ends the load."""
-        out = self._lower.settle(t)  # type: ignore[union-attr]
+        out = lower.settle(t)
         if out is None:
             return None
         rid, gpu_copy = out
@@ -774,7 +923,9 @@ class TierManager:
         if gpu_copy is not None:
             h.plan_id = gpu_copy.plan.plan_id
             return None
-        h.residency = Residency.GPU  # nothing landed: the request computes all of it, keeping its GPU hits
+        h.residency = move(
+            "settle", h.residency, Residency.GPU
+        )  # nothing landed: the request computes all of it, keeping its GPU hits
         return Completion(t.plan.plan_id, rid, PlanKind.ONBOARD, True, h.num_hit_tokens, Residency.GPU)
 
     def _drain_events(self) -> None:
@@ -809,7 +960,7 @@ class TierManager:
         """
         if self._lower is not None:
             raise InvalidTransitionError("tiers below the CPU are attached already")
-        if self.store is None or self._off is None or not self.caching:
+        if not self.has_cpu_tier or not self.caching:
             raise InvalidArgumentError("tiers below the CPU need a CPU tier (num_cpu_blocks > 0) and prefix caching")
         self._lower = TierMoves(
             tiers, self.store, self.transfers, self._off, self.cost_model, self.decision_log.capacity
@@ -885,15 +1036,17 @@ class TierManager:
 
         Its blocks still cached on the GPU count only if no one holds them (a
         free cached block leaves the free queue when it is hit again); the rest
-        are new blocks.  A scheduler resumes a request only when this fits, as
-        vLLM resumes one only with room for the tokens it computes next, so a
+        are new blocks.  :meth:`resume` refuses when they do not fit, as vLLM
+        resumes one only with room for the tokens it computes next, so a
         resumed request is not left holding its KV unable to take one step.
         """
         h = self._get(request_id, Residency.CPU)
-        checks.count("num_new_tokens", num_new_tokens)
-        assert self._swap is not None and h.swapped is not None
-        hits = self._swap.gpu_hits(h.request, h.swapped)
-        total = -(-(h.swapped.num_tokens + num_new_tokens) // self.block_size)
+        assert h.swapped is not None
+        return self._blocks_to_resume(h, h.swapped, checks.count("num_new_tokens", num_new_tokens))
+
+    def _blocks_to_resume(self, h: Held, swapped: SwappedKV, num_new_tokens: int) -> int:
+        hits = self._swap.gpu_hits(h.request, swapped)
+        total = -(-(swapped.num_tokens + num_new_tokens) // self.block_size)
         return total - len(hits) + sum(1 for b in hits if b.ref_cnt == 0)
 
     @exclusive
@@ -930,21 +1083,22 @@ class TierManager:
         """
         checks.choice("mode", mode, MODES)
         checks.flag("lookups", lookups)
-        if request_ids.__class__ is not list and request_ids.__class__ is not tuple:
+        if type(request_ids) is not list and type(request_ids) is not tuple:
             raise InvalidArgumentError(f"request_ids must be a list or tuple, got {checks.describe(request_ids)}")
         gpu = Residency.GPU
         try:
-            held = list(map(self._held.get, request_ids))
+            found = list(map(self._held.get, request_ids))
         except TypeError:
-            held = [None]  # an unhashable id: _get names it
-        if any(h is None or h.residency is not gpu for h in held):
+            found = [None]  # an unhashable id: _get names it
+        held = [h for h in found if h is not None and h.residency is gpu]
+        if len(held) != len(found):
             held = [self._get(rid, gpu) for rid in request_ids]  # raises, naming the first not on the GPU
-        return self._bounds.lower_bounds([h.request for h in held], mode, self._swap, lookups)  # type: ignore[union-attr]
+        return self._bounds.lower_bounds([h.request for h in held], mode, self._swap, lookups)
 
     @exclusive
     def cpu_room(self) -> int:
         """CPU store blocks a store could take now: free ones plus unpinned cached ones it may evict."""
-        return self.store.num_free + self.store.num_evictable if self.store is not None else 0
+        return self.store.num_free + self.store.num_evictable
 
     @property
     def counters(self) -> TierCounters:
@@ -958,8 +1112,7 @@ class TierManager:
         """
         c = self._counters
         c.plans_submitted = self.transfers.submitted
-        if self.store is not None:
-            c.cpu_blocks_evicted = self.store.stats.evictions
+        c.cpu_blocks_evicted = self.store.stats.evictions
         return c
 
     @exclusive
@@ -986,5 +1139,4 @@ class TierManager:
         if low is not None:
             low.check_invariants()
         self._bounds.check()
-        if self._swap is not None:
-            self._swap.check_tails(h.request for h in self._held.values() if h.residency is Residency.GPU)
+        self._swap.check_tails(h.request for h in self._held.values() if h.residency is Residency.GPU)

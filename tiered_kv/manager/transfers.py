@@ -15,7 +15,7 @@ other failure, so a broken engine can never leave a request half-moved.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any
@@ -68,10 +68,6 @@ class Transfers:
         self._live: dict[int, Transfer] = {}
         self._ids = count(1)  # plan ids, in the order plans are made
         self.submitted = 0
-        #: Told of the GPU blocks a copy holds when it starts, and gives back when it settles
-        #: (the manager keeps per-request counts of the blocks a request alone holds).
-        self.on_hold: Callable[[list[KVCacheBlock]], None] | None = None
-        self.on_release: Callable[[list[KVCacheBlock]], None] | None = None
 
     def plan(
         self,
@@ -115,8 +111,6 @@ class Transfers:
         holds = list(gpu_holds)
         if holds:
             self.gpu_pool.touch(holds)
-            if self.on_hold is not None:
-                self.on_hold(holds)
         try:
             handle = (self.engine if engine is None else engine).submit(plan)
             if not isinstance(handle, TransferHandle) or handle.plan != plan:
@@ -129,18 +123,17 @@ class Transfers:
         self.submitted += 1
         return t
 
-    def release(self, t: Transfer) -> None:
-        """Give back the GPU blocks a settled copy held."""
-        if not t.gpu_holds:
-            return
+    def release(self, t: Transfer) -> list[KVCacheBlock]:
+        """Give back the GPU blocks a settled copy held; return them (each lost a holder)."""
         holds = t.gpu_holds
+        if not holds:
+            return holds
         if t.in_place:
             self.gpu_pool.release_in_place(holds)
         else:
             self.gpu_pool.free_blocks(holds[::-1])
         t.gpu_holds = []
-        if self.on_release is not None:
-            self.on_release(holds)
+        return holds
 
     def finished(self) -> list[Transfer]:
         """Take every transfer whose handle is final, in plan order."""

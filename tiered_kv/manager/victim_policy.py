@@ -294,7 +294,7 @@ def register_victim_policy(name: str, cls: type[VictimPolicy]) -> None:
             retired name), or ``cls`` is not a :class:`VictimPolicy` subclass.
             Nothing is registered then.
     """
-    if name.__class__ is not str or not name or "." in name:
+    if type(name) is not str or not name or "." in name:
         raise InvalidArgumentError(
             f"name must be a non-empty str without dots (a dotted name is a qualified class name), "
             f"got {checks.describe(name)}"

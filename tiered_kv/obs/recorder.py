@@ -27,7 +27,7 @@ from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.outcomes import Completion, Decision
-from tiered_kv.manager.states import PreemptMode
+from tiered_kv.manager.states import PreemptMode, Residency
 from tiered_kv.sched.scheduler import Scheduler
 from tiered_kv.sched.status import RequestStatus
 from tiered_kv.transfer.plan import PlanKind
@@ -39,9 +39,6 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (*(float(f"{m}e{e}") for e in range(-5, 1
 COPY_KINDS: tuple[str, ...] = tuple(
     k.value for k in (PlanKind.SWAP_OUT, PlanKind.SWAP_IN, PlanKind.ONBOARD, PlanKind.OFFLOAD)
 )
-
-_WAITING = (RequestStatus.WAITING, RequestStatus.LOADING)
-_SWAPPED = (RequestStatus.SWAPPING_OUT, RequestStatus.SWAPPED, RequestStatus.SWAPPING_IN)
 
 
 # Every label decision_reason can return, with the mode(s) it goes with.
@@ -200,19 +197,24 @@ class MetricsRecorder:
         self.decisions_missed += missed  # fell off the log before a read: read more often, or keep more
         self._decisions_read = log.total
         running = waiting = swapped = 0
-        for st in sched.status.values():
+        for rid, st in sched.status.items():
             if st is RequestStatus.RUNNING:
                 running += 1
-            elif st in _WAITING:
+            elif st is RequestStatus.WAITING:
                 waiting += 1
-            elif st in _SWAPPED:
+            elif st is RequestStatus.SWAPPED:
                 swapped += 1
+            elif st is RequestStatus.ARRIVING:  # its prefix loading counts as waiting, its swap-in as swapped
+                if sched.tm.state(rid).residency is Residency.LOADING:
+                    waiting += 1
+                else:
+                    swapped += 1
         latency = {
             kind: LatencyHistogram(self.buckets, tuple(itertools.accumulate(counts)), self._sums[kind])
             for kind, counts in self._counts.items()
         }
         return Reading(
-            snapshot=sched.metrics(),
+            snapshot=sched.tm.metrics(),
             tokens_recomputed=sched.tokens_recomputed,
             requests_running=running,
             requests_waiting=waiting,

@@ -66,7 +66,7 @@ class SchedulerConfig:
         checks.count("max_num_seqs", self.max_num_seqs, 1)
         checks.flag("chunked_prefill", self.chunked_prefill)
         if (
-            self.policy.__class__ is str
+            type(self.policy) is str
             and self.policy not in SCHEDULING_POLICIES
             and (self.policy in VICTIM_POLICIES or self.policy in RENAMED_VICTIM_POLICIES)
         ):

@@ -21,6 +21,9 @@ class SchedulerOutput:
         num_tokens: Sum of ``num_new_tokens``.
         recomputed_tokens: Tokens of the batch computed before and computed
             again because their KV was dropped by a recompute preemption.
+        recomputed: The same, by request (only requests with such tokens):
+            the scheduler keeps each recompute victim's high-water mark, and
+            a driver that counts per request reads it here.
         preempted / resumed / admitted: Request ids, in the order it happened.
         loads: Scheduled requests whose KV is still landing layer by layer
             (layer-wise swap-in): before computing layer ``i`` of such a
@@ -37,6 +40,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     num_tokens: int = 0
     recomputed_tokens: int = 0
+    recomputed: dict[Hashable, int] = field(default_factory=dict)
     preempted: list[tuple[Hashable, PreemptMode]] = field(default_factory=list)
     resumed: list[Hashable] = field(default_factory=list)
     admitted: list[Hashable] = field(default_factory=list)

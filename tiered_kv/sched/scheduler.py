@@ -1,17 +1,20 @@
 """A continuous-batching scheduler in the manner of vLLM v1, over the TierManager.
 
-It alone owns the queues, each request's status, its progress
-(``num_computed_tokens``), the token budget and the preemption loop.  It asks
-the manager for outcomes (an admission, a preemption, a completed copy) and
-applies them; the simulator and the real engine both drive it, and neither
-reaches past it.
+It alone owns the queues, each request's status (which queue it is in), its
+progress (``num_computed_tokens``), the token budget and the preemption loop.
+It asks the manager for outcomes (an admission, a preemption, a completed
+copy) through the verbs of :class:`~tiered_kv.manager.port.SchedulerPort`
+and applies them; where a request's KV is, it reads from those outcomes or
+from ``TierManager.state`` and never keeps.  The simulator and the real
+engine both drive it.
 
 Each step (:meth:`Scheduler.schedule`), under a token budget and a cap on
 admitted requests:
 
-1. Completed copies are applied: a swap-out that landed makes its request
-   SWAPPED, a swap-in or an onboarding makes it RUNNING with the progress the
-   completion reports, a failed copy puts the request back where its KV is.
+1. Completed copies are applied by the residency they report: a request
+   whose KV landed on the GPU (a swap-in, an onboarding) runs with the
+   progress the completion reports; a failed copy puts the request back in
+   the queue for where its KV is (a failed swap-out: running again).
 2. Running requests, in queue order: the rest of a (chunked) prefill, or one
    decode token.  When a request does not fit, blocks that copies in flight
    will free are counted first (waiting beats preempting); then, as in vLLM's
@@ -24,7 +27,8 @@ admitted requests:
    taken out of the batch and its tokens go back to the budget).  A step the
    manager would serve without changing anything (a decode token landing in
    a block the request holds, filling none: ``TierManager.quiet_tokens``)
-   skips the manager call; that is most decode steps.
+   skips the manager call (``grow`` answers how far that holds); that is most
+   decode steps.
 3. Swapped requests resume, oldest first, unless this step preempted.  One
    whose KV is whole on the GPU at once (every block still cached there) is
    scheduled in the same step, as vLLM schedules a resumed request; with
@@ -59,14 +63,14 @@ from collections.abc import Callable, Hashable, Mapping
 from tiered_kv import checks
 from tiered_kv.core.request import Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, UnknownRequestError
-from tiered_kv.manager.metrics import MetricsSnapshot
 from tiered_kv.manager.outcomes import Completion, Preemption
+from tiered_kv.manager.port import SchedulerPort
 from tiered_kv.manager.states import PreemptMode, Residency
 from tiered_kv.manager.tier_manager import EMPTY_PROMPT, TierManager
-from tiered_kv.manager.victim_policy import Candidate, get_victim_policy
+from tiered_kv.manager.victim_policy import get_victim_policy
 from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sched.output import SchedulerOutput
-from tiered_kv.sched.status import MOVING, RequestStatus
+from tiered_kv.sched.status import RequestStatus
 from tiered_kv.transfer.plan import PlanKind, TransferHandle
 
 S = RequestStatus
@@ -75,15 +79,21 @@ S = RequestStatus
 class Scheduler:
     """Continuous batching with preemption by swap or recompute.
 
+    It talks to the manager through the verbs of
+    :class:`~tiered_kv.manager.port.SchedulerPort` only (their contracts are
+    listed there); drivers read the manager's own facts (``tm.metrics()``,
+    ``tm.gpu_block_ids``) from the manager itself.
+
     Args:
         tm: The tier manager (owns where KV lives).
         config: Budget, limits, scheduling order, victim policy, preemption mode.
     """
 
     def __init__(self, tm: TierManager, config: SchedulerConfig | None = None) -> None:
-        self.tm = tm
+        self.tm = tm  # for drivers: the manager's own facts (metrics, block tables, logs)
+        self._kv: SchedulerPort = tm  # the scheduler's only way to the manager: the port's verbs
         self.config = config or SchedulerConfig()
-        self.victim_policy = get_victim_policy(self.config.victim_policy, tm.cost_model)
+        get_victim_policy(self.config.victim_policy)  # a policy named by a module path is imported now: fail early
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -93,10 +103,11 @@ class Scheduler:
         self._passed: dict[Hashable, int] = {}  # marks passed by a step of the batch being built (this step only)
         self._aborting: set[Hashable] = set()
         self._loads: dict[Hashable, TransferHandle] = {}  # layer-wise swap-ins not settled yet
-        self._arriving: set[Hashable] = set()  # LOADING or SWAPPING_IN: they hold a seat
-        # A cache of TierManager.quiet_tokens per running request: while its next step stays within it,
-        # allocate would change nothing and is skipped.  Dropped whenever the request's status changes
-        # or a copy of its KV settles (then the manager's answer may differ); absent means "ask".
+        self._arriving: set[Hashable] = set()  # status ARRIVING (their KV landing): they hold a seat
+        # A cache of the manager's answer to grow (TierManager.quiet_tokens) per running request: while its
+        # next step stays within it, allocating would change nothing and is skipped.  Dropped whenever the
+        # request leaves the running queue or a copy of its KV settles (then the answer may differ); absent
+        # means "ask".
         self._quiet: dict[Hashable, int] = {}
         # Requests that became runnable (admitted, resumed, their KV landed) and have not computed a step
         # since: no victim until they have (see the module docstring).  Membership only, never iterated.
@@ -142,11 +153,10 @@ class Scheduler:
     def abort(self, request_id: Hashable) -> None:
         """Drop a request wherever it is; a request whose KV is moving is dropped when its copy settles."""
         req = self._request(request_id)
-        moving = self.status[request_id] in MOVING or request_id in self._loads
-        if moving and not self.tm.cancel(request_id):
-            self._aborting.add(request_id)
+        if self._kv.state(request_id).in_flight and not self._kv.free(request_id, cancel=True):
+            self._aborting.add(request_id)  # the engine finished its copy first: it ends once that settles
             return
-        self._apply(self.tm.poll())
+        self._apply(self._kv.poll())
         if request_id in self.requests:
             self._finish(req)
 
@@ -161,21 +171,22 @@ class Scheduler:
             raise UnknownRequestError(f"request {request_id!r} is not scheduled here") from None
 
     # ---------------------------------------------------- what drivers read
-    def gpu_block_ids(self, request_id: Hashable) -> list[int]:
-        """The block table a running request computes with."""
-        self._request(request_id)
-        return self.tm.gpu_block_ids(request_id)
-
     def copies_in_flight(self) -> bool:
-        return bool(self.tm.plans_in_flight())
+        return self._kv.room().copies_in_flight > 0
 
     def wait_for_copies(self, timeout: float | None = None) -> bool:
-        """Block until some copy lands (real engines, when nothing else can run)."""
-        return self.tm.wait(timeout)
+        """Wait up to ``timeout`` for some copy to land, and apply what landed; False if nothing is in flight.
+
+        For a driver with nothing runnable (real engines): the next ``schedule`` runs what landed.
+        """
+        if not self._kv.room().copies_in_flight:
+            return False
+        self._apply(self._kv.poll(timeout))
+        return True
 
     def settle(self) -> None:
         """Apply the copies that landed, without scheduling (``schedule`` does this first anyway)."""
-        self._apply(self.tm.poll())
+        self._apply(self._kv.poll())
 
     def drain(self, timeout: float | None = None) -> None:
         """Wait for every copy in flight and apply it (at the end of a run).
@@ -183,16 +194,12 @@ class Scheduler:
         Saves before eviction top themselves up at every poll, but only until
         the eviction window is stored or the CPU has no room, so this ends.
         """
+        self._apply(self._kv.poll())
         for _ in range(1_000_000):
-            self._apply(self.tm.poll())
-            if not self.tm.plans_in_flight():
+            if not self._kv.room().copies_in_flight:
                 return
-            self.tm.wait(timeout)
+            self._apply(self._kv.poll(timeout))  # waits up to timeout for a copy, then settles what is final
         raise AssertionError("copies kept coming while draining")  # pragma: no cover
-
-    def metrics(self) -> MetricsSnapshot:
-        """The manager's counters and gauges."""
-        return self.tm.metrics()
 
     # ---------------------------------------------------------- completions
     def _apply(self, done: list[Completion]) -> None:
@@ -203,32 +210,34 @@ class Scheduler:
             self._quiet.pop(c.request_id, None)  # where its KV is, or whether it is cached, may have changed
             if c.kind is PlanKind.OFFLOAD or c.request_id not in self.requests:
                 continue
+            # Where the KV is now is the completion's residency (the manager's state machine); the
+            # request's queue says what it was waiting for.
             req = self.requests[c.request_id]
             rid = req.request_id
-            self._arriving.discard(rid)
-            if c.kind is PlanKind.SWAP_OUT:
-                self.status[rid] = S.SWAPPED if c.ok else S.RUNNING
-                if not c.ok:
+            st, res = self.status[rid], c.residency
+            if st is S.ARRIVING:
+                self._arriving.discard(rid)
+                if res is Residency.GPU:  # landed: its GPU hits and what was copied in count as computed
+                    req.num_computed_tokens = c.num_tokens
+                    self._run(req)
+                elif res is Residency.CPU:  # a swap-in failed: back to the front of the swapped queue
+                    self.status[rid] = S.SWAPPED
+                    self.swapped.appendleft(req)
+                else:  # an onboarding failed: the manager holds nothing; recompute from scratch
+                    req.num_computed_tokens = 0
+                    self.status[rid] = S.WAITING
+                    self.waiting.appendleft(req)
+            elif st is S.SWAPPED:
+                if res is Residency.GPU:  # its swap-out failed: it runs on (on CPU: swapped, as it waited)
                     self.swapped.remove(req)
+                    self.status[rid] = S.RUNNING
                     self.running.append(req)
-            elif c.kind is PlanKind.SWAP_IN and rid in self._loads:  # layer-wise: it has been running meanwhile
+            elif rid in self._loads:  # a layer-wise swap-in: it has been running meanwhile
                 del self._loads[rid]
-                if not c.ok:  # back to the front of the swapped queue, with the progress it had there
+                if res is Residency.CPU:  # failed: back to the front of the swapped queue, with its progress there
                     self.running.remove(req)
                     self.status[rid] = S.SWAPPED
                     self.swapped.appendleft(req)
-            elif c.ok:  # a swap-in, or an onboarding (its GPU hits and the loaded prefix count as computed)
-                req.num_computed_tokens = c.num_tokens
-                self.status[rid] = S.RUNNING
-                self.running.append(req)
-                self._fresh.add(rid)
-            elif c.kind is PlanKind.SWAP_IN:
-                self.status[rid] = S.SWAPPED
-                self.swapped.appendleft(req)
-            else:  # onboarding failed: the manager holds nothing; recompute from scratch
-                req.num_computed_tokens = 0
-                self.status[rid] = S.WAITING
-                self.waiting.appendleft(req)
             if rid in self._aborting:
                 self._aborting.discard(rid)
                 self._finish(req)
@@ -236,18 +245,26 @@ class Scheduler:
             for c in done:
                 observe(c)
 
+    def _run(self, req: Request) -> None:
+        """Its KV landed whole on the GPU: it runs, and is no victim until it has computed a step."""
+        rid = req.request_id
+        self.status[rid] = S.RUNNING
+        self.running.append(req)
+        self._fresh.add(rid)
+
     # -------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch (see the module docstring for the order of things)."""
-        self._apply(self.tm.poll())
+        kv = self._kv
+        self._apply(kv.poll())
         if self._passed:
             self._passed.clear()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        promised = self.tm.blocks_freed_on_completion()
-        status, allocate, chunked = self.status, self.tm.allocate, self.config.chunked_prefill
+        promised = kv.room().blocks_freed_on_completion
+        status, chunked = self.status, self.config.chunked_prefill
         preempted = out.preempted
-        quiet, quiet_tokens = self._quiet, self.tm.quiet_tokens
+        quiet = self._quiet
         running = S.RUNNING
         stalled: list[Request] = []  # fresh requests that found no room and waited
         for req in list(self.running):
@@ -266,11 +283,12 @@ class Scheduler:
             # manager would change nothing; skip the call.  Otherwise allocate, making room
             # (preempting) or waiting when it does not fit.
             if c + n > quiet.get(rid, 0):
-                if allocate(rid, n) is None:
-                    fits, promised, budget = self._make_room(req, n, promised, budget, out, stalled)
-                    if not fits:
+                q = kv.grow(rid, n)
+                if q is None:
+                    q, promised, budget = self._make_room(req, n, promised, budget, out, stalled)
+                    if q is None:
                         continue
-                quiet[rid] = quiet_tokens(rid)
+                quiet[rid] = q
             self._add(out, req, n)
             budget -= n
         if stalled:
@@ -279,9 +297,12 @@ class Scheduler:
             budget = self._resume(out, budget)
         if not self.swapped and not out.preempted:
             self._admit(out, budget)
-        if self.config.layerwise:
-            self._start_layerwise_stores(out)
-        self.tm.on_schedule_end(out.admitted, [rid for rid, _ in out.preempted])
+        # Prompt blocks this step completes are stored layer by layer while it computes them.
+        saves = kv.on_schedule_end(
+            out.admitted, [rid for rid, _ in out.preempted], layerwise_stores=self.config.layerwise
+        )
+        if saves:
+            out.saves.update(saves)
         return out
 
     # ------------------------------------------------------------ preemption
@@ -297,54 +318,49 @@ class Scheduler:
         budget: int,
         out: SchedulerOutput,
         stalled: list[Request] | None = None,
-    ) -> tuple[bool, int, int]:
-        """Allocate ``n`` tokens for ``req``, preempting if needed; (fits, promised blocks left, token budget).
+    ) -> tuple[int | None, int, int]:
+        """Allocate ``n`` tokens for ``req``, preempting if needed; (grow's answer, promised blocks left, token budget).
 
+        Grow's answer is ``None`` when it does not fit.
         The budget grows by the tokens of a victim taken out of this step's
         batch.  A fresh request (no step computed since it became runnable)
         that finds no victim waits instead of preempting itself; it is
         appended to ``stalled``.
         """
-        tm, rid = self.tm, req.request_id
+        kv, rid = self._kv, req.request_id
         for i in range(len(self.running) + 1):  # each round preempts one victim, or ends
-            if i and tm.allocate(rid, n) is not None:  # the caller tried once already
-                return True, promised, budget
-            short = tm.blocks_short(rid, n)
+            if i and (q := kv.grow(rid, n)) is not None:  # the caller tried once already
+                return q, promised, budget
+            short = kv.room(rid, n).blocks_short
             if short <= promised:
-                return False, promised - short, budget  # copies in flight will free enough: wait for them
+                return None, promised - short, budget  # copies in flight will free enough: wait for them
             victim = self._victim(req, out)
             if victim is None:
                 if rid in self._fresh and stalled is not None:  # preempting it would undo its resume
                     stalled.append(req)
-                return False, promised, budget  # it cannot be preempted now (fresh, or its KV landing): it waits
+                return None, promised, budget  # it cannot be preempted now (fresh, or its KV landing): it waits
             if victim is req:
                 self._preempt(req, out)  # nobody before it in the order: vLLM preempts the request itself
-                return False, promised, budget
-            budget += self._unschedule(victim, out)
-            promised += self._preempt(victim, out).blocks_freed_on_completion
+                return None, promised, budget
+            n_back = self._unschedule(victim, out)
+            budget += n_back
+            promised += self._preempt(victim, out, unschedule=n_back > 0).blocks_freed_on_completion
         raise AssertionError(f"request {rid!r}: preemption did not make room")  # pragma: no cover
 
     def _victim(self, req: Request, out: SchedulerOutput) -> Request | None:
         """The next request to preempt so that ``req`` fits: the policy's first candidate (``req`` may be it).
 
-        Under ``mode="swap"`` a candidate that cannot be swapped (no room on
-        the CPU tier, nothing computed) is passed over, except the requester
-        itself, which then yields by recompute.
+        Who may go, in what order, is vLLM's rule (:meth:`_candidates`); the
+        manager's victim policy re-ranks them by what it knows of their KV.
         """
-        rid = req.request_id
-        candidates = self._candidates(req, out)
-        swap_only = self.config.mode == "swap"
-        room = self.tm.cpu_room() if swap_only else 0
-        for c in self.victim_policy.iter_rank(candidates, self.config.mode):
-            if swap_only and c.request_id != rid:
-                q = c.quote
-                if not q.can_swap or q.cpu_blocks_needed > room:
-                    continue
-            return self.requests[c.request_id]
-        return None
+        ranked = self._candidates(req, out)
+        if not ranked:
+            return None
+        rid = self._kv.victim(req.request_id, ranked, self.config.victim_policy, self.config.mode)
+        return None if rid is None else self.requests[rid]
 
-    def _candidates(self, req: Request, out: SchedulerOutput) -> list[Candidate]:
-        """Who may be preempted so that ``req`` fits, ranked by vLLM's rule (the highest rank is vLLM's victim).
+    def _candidates(self, req: Request, out: SchedulerOutput) -> list[Hashable]:
+        """Who may be preempted so that ``req`` fits, ranked by vLLM's rule (the last is vLLM's victim).
 
         FCFS: ``req`` and the running requests not scheduled this step, ranked
         by their place in the running queue (vLLM pops the queue's last until
@@ -364,11 +380,10 @@ class Scheduler:
             batch = set()
             ranked = sorted(enumerate(running), key=lambda t: (t[1].priority, t[1].arrival_time, -t[0]))
             order = [r for _, r in ranked]
-        tm = self.tm
-        running_status, num_blocks, quote, bounds = S.RUNNING, tm.gpu_table_length, tm.quote, tm.preemption_bounds
+        running_status = S.RUNNING
         return [
-            Candidate(rid, rank, num_blocks(rid), r.num_computed_tokens, r.num_prompt_tokens, quote, bounds)
-            for rank, r in enumerate(order)
+            rid
+            for r in order
             if (rid := r.request_id) not in batch
             and status[rid] is running_status
             and rid not in loads
@@ -382,11 +397,10 @@ class Scheduler:
                 del out.scheduled[i]
                 out.num_tokens -= n
                 rid = req.request_id
-                self.tm.unschedule(rid)  # it will not be computed this step: the manager may preempt it
                 mark = self._high_water.get(rid, 0) or self._passed.pop(rid, 0)
                 c = req.num_computed_tokens
                 if mark > c:  # it was computing again what a recompute preemption dropped: not this step
-                    out.recomputed_tokens -= min(c + n, mark) - c
+                    out.recomputed_tokens -= out.recomputed.pop(rid)
                     self._high_water[rid] = mark
                 return n
         return 0
@@ -397,21 +411,24 @@ class Scheduler:
         Nothing else can free a block then, so waiting would make empty steps
         forever; preempting it is vLLM's answer to a request that cannot fit.
         """
-        if stalled and not out.scheduled and not self.tm.plans_in_flight():
+        if stalled and not out.scheduled and not self._kv.room().copies_in_flight:
             req = stalled[-1]
             self._fresh.discard(req.request_id)
             self._preempt(req, out)
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> Preemption:
+    def _preempt(self, req: Request, out: SchedulerOutput, unschedule: bool = False) -> Preemption:
+        """Preempt ``req`` (``unschedule``: taken out of this step's batch first) by the mode its quote chooses."""
         rid = req.request_id
-        p = self.tm.preempt(rid, self.config.mode) or self.tm.preempt(rid, "auto")  # forced swap impossible
+        kv, mode = self._kv, self.config.mode
+        # A forced swap may be impossible (no room on the CPU tier, nothing computed): then by the quote.
+        p = kv.preempt(rid, mode, unschedule=unschedule) or kv.preempt(rid, "auto", unschedule=unschedule)
         assert p is not None
         self._quiet.pop(rid, None)  # its blocks are released or leaving
         self.running.remove(req)
         req.num_preemptions += 1
         out.preempted.append((rid, p.mode))
         if p.mode is PreemptMode.SWAP:
-            self.status[rid] = S.SWAPPED if p.residency is Residency.CPU else S.SWAPPING_OUT
+            self.status[rid] = S.SWAPPED  # its KV on the CPU tier, or leaving (p.residency says which)
             self.swapped.append(req)
         else:
             self._high_water[rid] = max(self._high_water.get(rid, 0), req.num_computed_tokens)
@@ -419,18 +436,6 @@ class Scheduler:
             self.status[rid] = S.WAITING
             self.waiting.appendleft(req)
         return p
-
-    def _start_layerwise_stores(self, out: SchedulerOutput) -> None:
-        """Prompt blocks this step completes are stored layer by layer while it computes them."""
-        for req, n in out.scheduled:
-            rid = req.request_id
-            if rid in out.loads or req.num_computed_tokens >= req.num_prompt_tokens:
-                continue  # its KV is still arriving, or it is decoding: nothing of the prompt to store
-            plan = self.tm.start_layerwise_store(rid, req.num_computed_tokens + n)
-            if plan is not None:
-                handle = self.tm.handle(plan.plan_id)
-                if handle is not None:
-                    out.saves[rid] = handle
 
     def _add(self, out: SchedulerOutput, req: Request, n: int) -> None:
         """Batch ``n`` tokens of ``req``: count what it computes again, and name the load it computes over."""
@@ -441,7 +446,9 @@ class Scheduler:
             mark = self._high_water.get(rid, 0)
             c = req.num_computed_tokens
             if mark > c:
-                out.recomputed_tokens += min(c + n, mark) - c
+                k = min(c + n, mark) - c
+                out.recomputed_tokens += k
+                out.recomputed[rid] = k
                 if c + n >= mark:
                     del self._high_water[rid]
                     self._passed[rid] = mark  # until the step is over: a priority victim leaving the batch keeps it
@@ -455,18 +462,17 @@ class Scheduler:
     def _resume(self, out: SchedulerOutput, budget: int) -> int:
         """Resume swapped requests, oldest first; return the token budget left."""
         seats = self.config.max_num_seqs - self._num_admitted()
-        layered = self.config.layerwise
+        layered, kv = self.config.layerwise, self._kv
         while self.swapped and seats > 0:
             req = self.swapped[0]
             rid = req.request_id
-            if self.status[rid] is not S.SWAPPED:
+            if kv.state(rid).residency is not Residency.CPU:
                 break  # oldest first: wait for its swap-out to land
             # Room for its KV and its next step (resumed without it, it could not run), and, while
             # others run, the manager's watermark: it is a preempted request coming back, as vLLM's is.
-            need = self.tm.blocks_to_resume(rid, self._next_tokens(req, budget))
-            if need + (self.tm.watermark_blocks if self.running else 0) > self.tm.num_free_gpu_blocks():
-                break
-            res = self.tm.resume(rid, layered=layered)
+            res = kv.resume(
+                rid, layered, num_new_tokens=self._next_tokens(req, budget), keep_watermark=bool(self.running)
+            )
             if res is None:
                 break
             self.swapped.popleft()
@@ -475,16 +481,14 @@ class Scheduler:
             seats -= 1
             out.resumed.append(rid)
             if res.plan is not None and not layered:
-                self.status[rid] = S.SWAPPING_IN
+                self.status[rid] = S.ARRIVING
                 self._arriving.add(rid)
                 continue
             req.num_computed_tokens = res.num_tokens
             self.status[rid] = S.RUNNING
             self.running.append(req)
-            if res.plan is not None:
-                handle = self.tm.handle(res.plan.plan_id)
-                assert handle is not None
-                self._loads[rid] = handle
+            if res.handle is not None:  # landing layer by layer while it computes
+                self._loads[rid] = res.handle
             budget = self._start_resumed(out, req, budget)
         return budget
 
@@ -506,7 +510,7 @@ class Scheduler:
             if not self.config.chunked_prefill or budget <= 0:
                 return budget
             n = budget
-        if self.tm.allocate(req.request_id, n) is None:
+        if self._kv.grow(req.request_id, n) is None:
             return budget  # runs in a later step, once its load has landed or room is made
         self._add(out, req, n)
         return budget - n
@@ -530,7 +534,7 @@ class Scheduler:
         seats = cfg.max_num_seqs - self._num_admitted()
         while self.waiting and budget > 0 and seats > 0:
             req = self._next_waiting()
-            res = self.tm.admit(
+            res = self._kv.admit(
                 req,
                 min(req.num_tokens, budget),
                 chunked=chunked,
@@ -555,7 +559,7 @@ class Scheduler:
                 self._add(out, req, res.num_new_tokens)
                 budget -= res.num_new_tokens
             else:
-                self.status[rid] = S.LOADING
+                self.status[rid] = S.ARRIVING
                 self._arriving.add(rid)
 
     # ---------------------------------------------------------------- update
@@ -584,7 +588,7 @@ class Scheduler:
                     continue
                 need += 1
                 t = sampled.get(rid)
-                if t.__class__ is not int:
+                if type(t) is not int:  # exact: a bool is no token
                     raise InvalidArgumentError(
                         f"request {rid!r} reached the end of its tokens: sampled must map it to an int "
                         f"token, got {checks.describe(t)}"
@@ -592,13 +596,11 @@ class Scheduler:
         extra = len(sampled) - ignored
         if extra != need:
             raise InvalidArgumentError(f"sampled has {extra} entries, but {need} requests sampled a token")
-        for h in out.saves.values():  # the step has computed every layer: whatever the driver did not open
-            self.tm.open_all_layers(h)
-        for h in loads.values():
-            if self.tm.handle(h.plan.plan_id) is h:  # not settled by an abort meanwhile
-                self._apply([self.tm.process_completion(h)])
+        # The step has computed every layer: whatever layer of a store the driver did not open is opened,
+        # and the loads it computed over settle now.
+        if out.saves or loads:
+            self._apply(self._kv.step_computed(list(out.saves.values()), list(loads.values())))
         finished: list[Request] = []
-        on_tokens_computed = self.tm.on_tokens_computed
         fresh = self._fresh
         for req, n in out.scheduled:
             rid = req.request_id
@@ -609,7 +611,7 @@ class Scheduler:
             c = req.num_computed_tokens
             req.num_computed_tokens = c + n
             if c < req.num_prompt_tokens:
-                on_tokens_computed(rid)
+                self._kv.on_tokens_computed(rid)
             tokens = req.all_token_ids
             if c + n == len(tokens):
                 tokens.append(sampled[rid])
@@ -620,8 +622,8 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         rid = req.request_id
-        if self.tm.is_open(rid):  # its KV, or only its request in the CPU store (a recompute victim, a failed load)
-            self.tm.free(rid)
+        if self._kv.state(rid).open:  # its KV, or only its request in the CPU store (a recompute victim, a failed load)
+            self._kv.free(rid)
         for q in (self.running, self.swapped, self.waiting):
             if req in q:
                 q.remove(req)
@@ -634,29 +636,24 @@ class Scheduler:
         self._fresh.discard(rid)
 
     def check_consistency(self) -> None:
-        """Assert that queues, statuses and the manager's residencies agree (for tests).
+        """Assert that each queue holds exactly the requests of its status, and that the manager agrees (for tests).
 
-        Every request's status matches where the manager holds its KV, and each
-        queue holds exactly the requests of its statuses.
+        The status is the queue; where the KV is comes from the manager
+        (``TierManager.state``), and must be one a request in that queue can have.
         """
+        allowed = {
+            S.WAITING: (None,),
+            S.ARRIVING: (Residency.LOADING, Residency.SWAPPING_IN),
+            S.RUNNING: (Residency.GPU,),
+            S.SWAPPED: (Residency.SWAPPING_OUT, Residency.CPU),
+        }
         for rid, st in self.status.items():
-            res = self.tm.residency(rid) if self.tm.holds(rid) else None
-            expect = {
-                S.WAITING: None,
-                S.LOADING: Residency.LOADING,
-                S.RUNNING: Residency.GPU,
-                S.SWAPPING_OUT: Residency.SWAPPING_OUT,
-                S.SWAPPED: Residency.CPU,
-                S.SWAPPING_IN: Residency.SWAPPING_IN,
-            }[st]
-            if rid in self._loads:  # running while its KV lands layer by layer
-                expect = Residency.SWAPPING_IN
-            assert res is expect, f"{rid!r}: status {st.value} but residency {res}"
-        assert {r.request_id for r in self.running} == {k for k, s in self.status.items() if s is S.RUNNING}
-        assert self._arriving == {k for k, s in self.status.items() if s is S.LOADING or s is S.SWAPPING_IN}
-        assert {r.request_id for r in self.waiting} == {k for k, s in self.status.items() if s is S.WAITING}
-        swapping = (S.SWAPPING_OUT, S.SWAPPED)
-        assert {r.request_id for r in self.swapped} == {k for k, s in self.status.items() if s in swapping}
+            res = self._kv.state(rid).residency
+            ok = (Residency.SWAPPING_IN,) if rid in self._loads else allowed[st]  # running while its KV lands
+            assert res in ok, f"{rid!r}: status {st.value} but residency {res}"
+        for queue, st in ((self.running, S.RUNNING), (self.waiting, S.WAITING), (self.swapped, S.SWAPPED)):
+            assert {r.request_id for r in queue} == {k for k, s in self.status.items() if s is st}, st
+        assert self._arriving == {k for k, s in self.status.items() if s is S.ARRIVING}
         for rid, st in self.status.items():
             if st is S.WAITING and self.requests[rid].num_computed_tokens != 0:
                 raise InvalidTransitionError(f"{rid!r} waits with computed tokens")

@@ -1,4 +1,4 @@
-"""A request's scheduling status, owned by the scheduler alone."""
+"""A request's scheduling status, owned by the scheduler alone: which of its queues the request is in."""
 
 from __future__ import annotations
 
@@ -6,22 +6,20 @@ import enum
 
 
 class RequestStatus(str, enum.Enum):
-    """Where a request is in its life, as the scheduler sees it.
+    """Which queue a request is in, as the scheduler sees it; never where its KV is.
 
     ``WAITING`` (new, or preempted to recompute: no computed tokens) ->
-    ``LOADING`` (prefix arriving from the CPU tier) -> ``RUNNING`` ->
-    ``SWAPPING_OUT`` -> ``SWAPPED`` -> ``SWAPPING_IN`` -> ``RUNNING`` -> ``FINISHED``.
-    The manager's :class:`~tiered_kv.manager.states.Residency` says where the
-    KV is; this says what the scheduler will do with the request next.
+    ``RUNNING`` -> ``SWAPPED`` (preempted by swap) -> ``RUNNING`` ->
+    ``FINISHED``; ``ARRIVING`` is admitted or resumed with its KV still
+    landing (it holds a seat, and is in no queue).  Where the KV is, and
+    whether a copy moves it, is the manager's one state machine
+    (:mod:`tiered_kv.manager.states`): a SWAPPED request's KV is leaving or on
+    the CPU tier, an ARRIVING one's is loading or swapping in, and
+    ``TierManager.state`` says which.
     """
 
     WAITING = "waiting"
-    LOADING = "loading"
+    ARRIVING = "arriving"
     RUNNING = "running"
-    SWAPPING_OUT = "swapping_out"
     SWAPPED = "swapped"
-    SWAPPING_IN = "swapping_in"
     FINISHED = "finished"
-
-
-MOVING = frozenset({RequestStatus.LOADING, RequestStatus.SWAPPING_OUT, RequestStatus.SWAPPING_IN})

