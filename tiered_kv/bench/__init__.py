@@ -4,7 +4,7 @@
   recompute, measured on a small real model, on a Llama-shaped model with
   random weights, or for a model profile; one step-model fit, written as a
   calibration.  Its parts: the model (:mod:`~tiered_kv.bench.model`), the
-  tiers and swap timer (:mod:`~tiered_kv.bench.link`), the device sync and
+  tiers and swap timer (:mod:`~tiered_kv.bench.swap_timer`), the device sync and
   timing helpers (:mod:`~tiered_kv.bench.timing`);
 * the GPU rig (:mod:`~tiered_kv.bench.gpu_check`): device facts, the
   gpu-marked tests, copy bandwidth, overlap and syncs, crossover, and the
