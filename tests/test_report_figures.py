@@ -7,7 +7,7 @@ import pytest
 import yaml
 from simutil import TINY
 
-from tiered_kv.sim.runner import simulate
+from tiered_kv.cli.simulate import simulate
 
 
 def trace_config(tmp_path, prompts, max_num_seqs=4):

@@ -3,11 +3,11 @@
 import pytest
 from simutil import TINY, config
 
+from tiered_kv.cli.simulate import regime_configs
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.compute import ComputeModel
 from tiered_kv.sim.config import DEFAULT_RUNS, load_config, setup
 from tiered_kv.sim.profiles import load_hardware, load_model
-from tiered_kv.sim.runner import regime_configs
 
 
 @pytest.mark.parametrize(
