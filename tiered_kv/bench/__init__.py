@@ -9,8 +9,7 @@
 * the GPU rig (:mod:`~tiered_kv.bench.gpu_check`): device facts, the
   gpu-marked tests, copy bandwidth, overlap and syncs, crossover, and the
   report that is valid after every step;
-* the copy-engine bandwidth table (:mod:`~tiered_kv.bench.transfer`) and the
-  simulator-against-engine comparison (:mod:`~tiered_kv.bench.fidelity`).
+* the copy-engine bandwidth table (:mod:`~tiered_kv.bench.transfer`).
 
 Nothing below this package imports it; the command modules in
 :mod:`tiered_kv.cli` import it lazily, once their flags are checked.
