@@ -86,22 +86,23 @@ def run_engine(st: RunSetup, workload: list[SimRequest], cal: Calibration) -> di
 
     fields = {k: cal.model[k] for k in ModelConfig.__dataclass_fields__ if k in cal.model}
     config = ModelConfig(**fields)
+    m, sc = st.manager, st.scheduler
     engine = Engine(
         config,
         EngineConfig(
-            num_gpu_blocks=st.num_gpu_blocks,
-            num_cpu_blocks=st.num_cpu_blocks,
-            block_size=st.block_size,
+            num_gpu_blocks=m.num_gpu_blocks,
+            num_cpu_blocks=m.num_cpu_blocks,
+            block_size=m.block_size,
             layout=cal.layout,
-            victim_policy=st.victim_policy,
-            mode=st.mode,
-            offload=st.offload,
-            max_num_batched_tokens=st.max_num_batched_tokens,
-            max_num_seqs=st.max_num_seqs,
-            chunked_prefill=st.chunked_prefill,
-            hash_fn=st.hash_fn,
+            victim_policy=sc.victim_policy,
+            mode=sc.mode,
+            offload=m.offload,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_num_seqs=sc.max_num_seqs,
+            chunked_prefill=sc.chunked_prefill,
+            hash_fn=m.hash_fn,
         ),
-        cost_model=st.cost_model,
+        cost_model=m.cost_model,
     )
     vocab = config.vocab_size
     pending = deque(sorted(workload, key=lambda r: (r.arrival, r.rid)))

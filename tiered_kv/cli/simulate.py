@@ -377,11 +377,12 @@ def simulate(
     if first.uncalibrated:  # the first line a run prints: its step times are a default, not this GPU's
         emit(f"note: {first.uncalibrated}")
     load = describe_load(cfg0["workload"])  # first, where it is seen: it changes every number below
+    m, sc = first.manager, first.scheduler
     emit(
         f"{cfg0['name']}{f', load: {load};' if load else ':'} {first.model.name} on {where}, GPU KV "
-        f"{first.gpu_kv_gib:.4g} GiB ({first.num_gpu_blocks} blocks of {first.block_size} tokens), up to "
-        f"{first.max_num_seqs} running requests and {first.max_num_batched_tokens} tokens a step; "
-        f"{demand0.describe(first.max_num_seqs)}"
+        f"{first.gpu_kv_gib:.4g} GiB ({m.num_gpu_blocks} blocks of {m.block_size} tokens), up to "
+        f"{sc.max_num_seqs} running requests and {sc.max_num_batched_tokens} tokens a step; "
+        f"{demand0.describe(sc.max_num_seqs)}"
     )
     w = cfg0["workload"]
     if w["trace"] is not None:

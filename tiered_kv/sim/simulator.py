@@ -23,7 +23,7 @@ from tiered_kv.core.request import Request
 from tiered_kv.errors import TieredKVError
 from tiered_kv.manager.states import PreemptMode
 from tiered_kv.manager.tier_manager import TierManager
-from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
+from tiered_kv.sched import Scheduler, SchedulerOutput
 from tiered_kv.sim import tier_io
 from tiered_kv.sim.client import READY, Client
 from tiered_kv.sim.config import RunSetup
@@ -115,21 +115,22 @@ class Simulator:
         self.loop = EventLoop(record_trace)
         self.progress = progress
         self.usage_points = usage_points
+        m = setup.manager
         geometry = CopyGeometry(
-            setup.block_size * setup.model.kv_bytes_per_token, setup.model.num_layers, setup.kv_layout, setup.coalesce
+            m.block_size * setup.model.kv_bytes_per_token, setup.model.num_layers, setup.kv_layout, setup.coalesce
         )
         self.engine = SimLink(self.loop, setup.link, geometry, setup.copies, keep_jobs=keep_timeline)
         self.engine.on_submit = self._count_copy
         tm = manager_class(
-            setup.num_gpu_blocks,
-            setup.num_cpu_blocks,
-            setup.block_size,
+            m.num_gpu_blocks,
+            m.num_cpu_blocks,
+            m.block_size,
             self.engine,
-            cost_model=setup.cost_model,
-            offload=setup.offload,
-            hash_fn=setup.hash_fn,
-            enable_caching=setup.prefix_caching,
-            watermark=setup.watermark,
+            cost_model=m.cost_model,
+            offload=m.offload,
+            hash_fn=m.hash_fn,
+            enable_caching=m.enable_caching,
+            watermark=m.watermark,
         )
         #: The I/O engine of each tier below the CPU (medium -> engine), when the run has such tiers.
         self.tier_engines = tier_io.attach(tm, self.loop, setup.tiers, geometry.bytes_per_block)
@@ -140,17 +141,7 @@ class Simulator:
             None if setup.client.open_loop else Client(setup.client, workload, self.loop, setup.compute.frontend_s)
         )
         self.steps: list[Step] | None = [] if keep_timeline else None
-        self.scheduler = Scheduler(
-            tm,
-            SchedulerConfig(
-                setup.max_num_batched_tokens,
-                setup.max_num_seqs,
-                setup.chunked_prefill,
-                victim_policy=setup.victim_policy,
-                mode=setup.mode,
-                scheduler_reserve_full_isl=setup.scheduler_reserve_full_isl,
-            ),
-        )
+        self.scheduler = Scheduler(tm, setup.scheduler)
 
     def _count_copy(self, job: CopyJob) -> None:
         plan = job.plan
@@ -481,13 +472,13 @@ class Simulator:
         st: Any = self.setup
         return {
             "run": st.name,
-            "victim_policy": st.victim_policy,
-            "mode": st.mode,
-            "offload": st.offload,
+            "victim_policy": st.scheduler.victim_policy,
+            "mode": st.scheduler.mode,
+            "offload": st.manager.offload,
             "copies": st.copies,
             "kv_layout": st.kv_layout,
-            "gpu_blocks": st.num_gpu_blocks,
-            "cpu_blocks": st.num_cpu_blocks,
+            "gpu_blocks": st.manager.num_gpu_blocks,
+            "cpu_blocks": st.manager.num_cpu_blocks,
             "gpu_kv_gib": st.gpu_kv_gib,
             "cpu_kv_gib": st.cpu_kv_gib,
             "requests": len(recs),
