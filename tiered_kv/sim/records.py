@@ -48,6 +48,9 @@ class RequestRecord:
     recomputed_tokens: int = 0
     client_queue: float = 0.0
     token_times: list[float] = field(default_factory=list)  # when each output token was sampled, in order
+    # The simulator's own: the most tokens of the request ever computed (what is computed again
+    # below it is recomputed, counted in recomputed_tokens).  Not a row's field.
+    most_computed: int = 0
 
     def row(self) -> dict[str, Any]:
         def t(x: float) -> float | None:
