@@ -140,7 +140,7 @@ def build_scheduler(
     cache = CacheConfig(block_size=bs, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
     kv = None
     if connector:
-        cm = st.manager.cost_model
+        cm = st.cost_model
         preemption = {
             "mode": st.scheduler.mode,
             "victim_policy": st.scheduler.victim_policy,

@@ -50,7 +50,7 @@ def test_calibration_file_loads_and_drives_the_simulator(measured):
     cfg = validate_config(raw)
     st = setup(cfg, 0, cal)
     assert st.model.kv_bytes_per_token == 2 * 1 * 1 * 16 * 4
-    assert st.manager.cost_model == cal.cost_model and st.compute.linear == cal.step_model
+    assert st.cost_model == cal.cost_model and st.compute.linear == cal.step_model
     res = Simulator(st, generate(cfg["workload"], 0)).run()
     assert res["requests_finished"] == 2 and res["makespan_s"] > 0
     with pytest.raises(ConfigError, match=r"memory\.block_size: 16 differs from the calibration"):

@@ -102,7 +102,7 @@ def run_engine(st: RunSetup, workload: list[SimRequest], cal: Calibration) -> di
             chunked_prefill=sc.chunked_prefill,
             hash_fn=m.hash_fn,
         ),
-        cost_model=m.cost_model,
+        cost_model=st.cost_model,
     )
     vocab = config.vocab_size
     pending = deque(sorted(workload, key=lambda r: (r.arrival, r.rid)))

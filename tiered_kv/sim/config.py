@@ -64,15 +64,16 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ManagerSetup:
-    """What one run's :class:`~tiered_kv.manager.TierManager` is built with: its arguments, by their names.
+    """What one run's :class:`~tiered_kv.manager.TierManager` is built with: its settings, by their names.
 
-    The manager's own configuration object takes its place once the manager has one.
+    The manager's own configuration object takes its place once the manager has one: these are
+    its settings under its names, and the cost model, a collaborator rather than a setting, is
+    the run's (:attr:`RunSetup.cost_model`).
     """
 
     num_gpu_blocks: int
     num_cpu_blocks: int
     block_size: int
-    cost_model: CostModel
     offload: str = "none"
     hash_fn: str = "fast"
     enable_caching: bool = True  # vLLM's enable_prefix_caching (memory.prefix_caching)
@@ -95,6 +96,7 @@ class RunSetup:
     link: LinkProfile
     manager: ManagerSetup
     scheduler: SchedulerConfig
+    cost_model: CostModel  # the manager's pricing of a swap against a recompute, from the profiles
     gpu_kv_gib: float
     cpu_kv_gib: float
     copies: str = "async"
@@ -547,7 +549,6 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
             num_gpu_blocks=n_gpu,
             num_cpu_blocks=max(n_cpu, 0),
             block_size=bs,
-            cost_model=cost,
             offload=run["offload"],
             hash_fn=cfg["hash"],
             enable_caching=cfg["memory"]["prefix_caching"],
@@ -561,6 +562,7 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
             mode=run["mode"],
             scheduler_reserve_full_isl=s["scheduler_reserve_full_isl"],
         ),
+        cost_model=cost,
         gpu_kv_gib=sizes.gpu_kv_gib,
         cpu_kv_gib=sizes.cpu_kv_gib,
         copies=run["copies"],

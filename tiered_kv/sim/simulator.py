@@ -126,7 +126,7 @@ class Simulator:
             m.num_cpu_blocks,
             m.block_size,
             self.engine,
-            cost_model=m.cost_model,
+            cost_model=setup.cost_model,
             offload=m.offload,
             hash_fn=m.hash_fn,
             enable_caching=m.enable_caching,
