@@ -27,9 +27,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from tiered_kv.cli.simulate import regime_configs
 from tiered_kv.manager import TierManager
 from tiered_kv.sim.config import read_config, setup
-from tiered_kv.sim.runner import regime_configs
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.workload import SimRequest, generate
 

@@ -1,7 +1,7 @@
 """Simulator speed against a baseline tree: the default experiment, interleaved, pure and compiled.
 
 Each round runs the whole experiment (``tiered-kv simulate``'s entry point,
-``tiered_kv.sim.runner.simulate``, serially in one process) once per variant, in a fresh
+``tiered_kv.cli.simulate.simulate``, serially in one process) once per variant, in a fresh
 process each, the variants interleaved so that all of them see the same load:
 
 * ``baseline``: the tree given by ``--baseline`` (a checkout of the code to compare with);
@@ -33,7 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CHILD = r"""
 import hashlib, json, sys, time
 import tiered_kv, tiered_kv.core
-from tiered_kv.sim.runner import simulate
+try:
+    from tiered_kv.cli.simulate import simulate
+except ImportError:  # a tree from before the command was one module
+    from tiered_kv.sim.runner import simulate
 config, requests = sys.argv[1] or None, int(sys.argv[2])
 over = {"workload.num_requests": requests} if requests else None
 t0, c0 = time.perf_counter(), time.process_time()

@@ -33,8 +33,8 @@ from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import LLAMA3_8B, KVSpec
 from tiered_kv.tiers.disk_io import DiskIO
 from tiered_kv.tiers.disk_store import DiskStore
-from tiered_kv.tiers.kinds.disk import DiskTier
-from tiered_kv.tiers.kinds.redis import RedisTier
+from tiered_kv.tiers.kinds.disk import DiskTierConfig
+from tiered_kv.tiers.kinds.redis import RedisTierConfig
 from tiered_kv.tiers.namespace import KVNamespace
 from tiered_kv.transfer.plan import TransferPlan
 
@@ -125,7 +125,7 @@ def main() -> None:
                 )
                 points.append((spec.bytes_per_block, tier))
             bw, lat = fit(points)
-            d = next(k.default_link for k in (DiskTier, RedisTier) if k.medium == medium)
+            d = next(k.default_link for k in (DiskTierConfig, RedisTierConfig) if k.medium == medium)
             print(
                 f"|   fit: {bw / 1e9:.2f} GB/s, {lat * 1e6:.1f} us/block "
                 f"(default TierLink: {d.bytes_per_s / 1e9:.2f} GB/s, {d.block_latency_s * 1e6:.0f} us) | | | | |"

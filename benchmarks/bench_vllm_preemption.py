@@ -135,16 +135,16 @@ def build_scheduler(
 
     from tiered_kv.integrations.vllm import TieredKVScheduler
 
-    bs, n = st.block_size, st.num_gpu_blocks
+    bs, n = st.manager.block_size, st.manager.num_gpu_blocks
     model = ModelConfig(
         model=model_dir, dtype="bfloat16", seed=0, skip_tokenizer_init=True, max_model_len=max_model_len
     )
     sched = SchedulerConfig(
-        max_num_seqs=st.max_num_seqs,
-        max_num_batched_tokens=st.max_num_batched_tokens,
+        max_num_seqs=st.scheduler.max_num_seqs,
+        max_num_batched_tokens=st.scheduler.max_num_batched_tokens,
         max_model_len=max_model_len,
         is_encoder_decoder=False,
-        enable_chunked_prefill=st.chunked_prefill,
+        enable_chunked_prefill=st.scheduler.chunked_prefill,
         scheduler_reserve_full_isl=reserve_full_isl,
     )
     cache = CacheConfig(block_size=bs, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=True)
@@ -152,8 +152,8 @@ def build_scheduler(
     if connector:
         cm = st.cost_model
         preemption = {
-            "mode": st.mode,
-            "victim_policy": st.victim_policy,
+            "mode": st.scheduler.mode,
+            "victim_policy": st.scheduler.victim_policy,
             "cost_model": {  # the simulator's own cost model: the same quotes
                 "prefill_tokens_per_s": cm.prefill_tokens_per_s,
                 "prefill_quadratic_s_per_token2": cm.prefill_quadratic_s_per_token2,
@@ -166,7 +166,7 @@ def build_scheduler(
         extra = {
             "spec_name": "TieredKVOffloadingSpec",
             "spec_module_path": "tiered_kv.integrations.vllm",
-            "cpu_bytes_to_use": st.num_cpu_blocks * bs * st.model.kv_bytes_per_token,
+            "cpu_bytes_to_use": st.manager.num_cpu_blocks * bs * st.model.kv_bytes_per_token,
             **({"preemption": preemption} if ours else {}),
         }
         kv = KVTransferConfig(
@@ -264,14 +264,14 @@ class Replay:
         st, wl = self.st, self.workload
         longest = max(r.prompt_len + len(r.output) for r in wl)
         sched = build_scheduler(
-            st, model_dir, longest + st.block_size, self.ours, self.connector, self.reserve_full_isl
+            st, model_dir, longest + st.manager.block_size, self.ours, self.connector, self.reserve_full_isl
         )
         init_none_hash(sha256)
-        hasher = get_request_block_hasher(st.block_size, sha256)
+        hasher = get_request_block_hasher(st.manager.block_size, sha256)
         compute, link = st.compute, st.link
         d2h = CopyQueue(link.d2h_bytes_per_s, link.per_copy_overhead_s)
         h2d = CopyQueue(link.h2d_bytes_per_s, link.per_copy_overhead_s)
-        block_bytes = st.block_size * st.model.kv_bytes_per_token
+        block_bytes = st.manager.block_size * st.model.kv_bytes_per_token
         front = compute.frontend_s
         by_id = {str(r.rid): r for r in wl}
         arrivals = sorted((r.arrival + front, r.rid) for r in wl)
@@ -466,8 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{len(workload)} requests of the Mooncake trace ({args.window:.0f} s window, every "
         f"{cfg['workload']['trace_sample']['every']} conversation(s)), {prompt} prompt tokens; "
-        f"{st0.hardware.name} / {st0.model.name}: {st0.num_gpu_blocks} GPU blocks of {st0.block_size} tokens, "
-        f"CPU tier {sts[1].num_cpu_blocks} blocks; vLLM's scheduler_reserve_full_isl={args.reserve_full_isl}",
+        f"{st0.hardware.name} / {st0.model.name}: {st0.manager.num_gpu_blocks} GPU blocks of "
+        f"{st0.manager.block_size} tokens, "
+        f"CPU tier {sts[1].manager.num_cpu_blocks} blocks; vLLM's scheduler_reserve_full_isl={args.reserve_full_isl}",
         flush=True,
     )
     rows = []

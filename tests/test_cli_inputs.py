@@ -54,7 +54,7 @@ def test_config_numbers_must_be_finite(changes, message):
 
 def test_an_infinite_link_is_still_allowed_it_means_free_copies():
     cfg = config(link={"h2d_gbps": math.inf})
-    assert setup(cfg, 0).d2h_bytes_per_s == math.inf
+    assert setup(cfg, 0).link.d2h_bytes_per_s == math.inf
 
 
 @pytest.mark.parametrize(

@@ -71,7 +71,7 @@ def test_bad_calibration_files(tmp_path):
 def test_fidelity_reports_predicted_against_measured(measured, tmp_path):
     import yaml
 
-    from tiered_kv.bench.fidelity import METRICS, fidelity
+    from tiered_kv.cli.fidelity import METRICS, fidelity
 
     _, out = measured
     raw = {k: v for k, v in TINY.items() if k not in ("memory", "workload", "runs", "model")}

@@ -40,7 +40,7 @@ from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tiers.disk_io import DiskIO
 from tiered_kv.tiers.disk_store import DiskStore
-from tiered_kv.tiers.kinds.disk import DiskTier
+from tiered_kv.tiers.kinds.disk import DiskTierConfig
 from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.transfer import ControlledCopyEngine
 
@@ -146,7 +146,7 @@ def drive(
         disk = DiskStore(tmp, NS, 10 * 4096)
         io = DiskIO(host(num_blocks=p["cpu"]), disk)
         closers = [io, disk]
-        tm.attach_tiers([LowerTier(disk, io, DiskTier.default_link, p["demote"], 4)])
+        tm.attach_tiers([LowerTier(disk, io, DiskTierConfig.default_link, p["demote"], 4)])
     config = SchedulerConfig(
         max_num_batched_tokens=p["budget"],
         max_num_seqs=p["seats"],

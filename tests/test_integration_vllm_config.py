@@ -20,7 +20,7 @@ if PROBLEM is None:
 
     from tiered_kv.errors import ConfigError
     from tiered_kv.integrations.vllm import TieredKVOffloadingSpec, TieredKVScheduler
-    from tiered_kv.integrations.vllm.config import VLLM_OFFLOADING_KEYS
+    from tiered_kv.integrations.vllm.extra_config import VLLM_OFFLOADING_KEYS
 
 SPEC = {"spec_name": "TieredKVOffloadingSpec", "spec_module_path": "tiered_kv.integrations.vllm"}
 

@@ -24,9 +24,10 @@ def test_the_pool_is_within_3_percent_of_every_block_count_vllm_logged():
     for run in logged:
         st = setup(config_from_raw(run_config(run, rs.engine)), 0)
         want = run.raw["vllm_kv_blocks"]
-        assert abs(st.num_gpu_blocks / want["gpu_blocks"] - 1) <= 0.03, (run.id, st.num_gpu_blocks, want)
+        gpu = st.manager.num_gpu_blocks
+        assert abs(gpu / want["gpu_blocks"] - 1) <= 0.03, (run.id, gpu, want)
         # the CPU offloading connector's 8 GiB per GPU, in blocks of the same size
-        assert abs(st.num_cpu_blocks - want["cpu_blocks"]) <= 1, (run.id, st.num_cpu_blocks, want)
+        assert abs(st.manager.num_cpu_blocks - want["cpu_blocks"]) <= 1, (run.id, st.manager.num_cpu_blocks, want)
 
 
 def test_the_budget_is_vllms_terms_by_hand():

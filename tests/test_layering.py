@@ -133,4 +133,4 @@ def test_nothing_imports_the_integrations_and_only_they_import_an_engine():
     adapters = sorted(p.name for p in (root / "integrations" / "vllm").glob("*.py"))
     assert {"disk_tier.py", "redis_tier.py", "store_tier.py", "spec.py", "manager.py"} <= set(adapters)
     sglang = sorted(p.name for p in (root / "integrations" / "sglang").glob("*.py"))
-    assert {"backend.py", "config.py"} <= set(sglang)
+    assert {"backend.py", "backend_config.py"} <= set(sglang)

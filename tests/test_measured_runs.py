@@ -119,8 +119,9 @@ def test_a_run_is_simulated_as_measured():
     assert (sp["systems"], sp["users_per_system"], sp["system_len"], sp["question_len"], sp["output_len"]) == (
         2, 2, 100, 410, 20,
     )  # fmt: skip
-    assert (st.offload, st.cpu_kv_gib, st.max_num_batched_tokens, st.max_num_seqs) == ("write_through", 8.0, 2048, 128)
-    assert st.engine == "vllm-0.15.1" and st.async_scheduling and st.block_size == 16
+    assert (st.manager.offload, st.cpu_kv_gib) == ("write_through", 8.0)
+    assert (st.scheduler.max_num_batched_tokens, st.scheduler.max_num_seqs) == (2048, 128)
+    assert st.engine == "vllm-0.15.1" and st.async_scheduling and st.manager.block_size == 16
 
 
 def test_itl_is_the_campaigns_formula_with_the_tokens_the_client_counted():

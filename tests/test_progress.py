@@ -176,7 +176,7 @@ def test_simulate_on_a_terminal_draws_a_bar(tiny_config, columns):
 def test_crossover_and_fidelity_report_every_phase_step(tmp_path):
     pytest.importorskip("torch")
     from tiered_kv.bench.crossover import crossover
-    from tiered_kv.bench.fidelity import fidelity
+    from tiered_kv.cli.fidelity import fidelity
     from tiered_kv.engine.model import ModelConfig
 
     model = ModelConfig(

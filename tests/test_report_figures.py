@@ -7,7 +7,7 @@ import pytest
 import yaml
 from simutil import TINY
 
-from tiered_kv.sim.runner import simulate
+from tiered_kv.cli.simulate import simulate
 
 
 def trace_config(tmp_path, prompts, max_num_seqs=4):
@@ -73,7 +73,7 @@ def test_the_usage_series_held_and_fill_are_different_measurements():
 def test_the_sweep_compares_cost_aware_only_with_fixed_modes_of_the_same_tier(tmp_path):
     from simutil import KIB_IN_GIB
 
-    from tiered_kv.sim.sweep import sweep
+    from tiered_kv.cli.sweep import sweep
 
     raw = copy.deepcopy(TINY)
     raw["workload"] = {
@@ -123,7 +123,7 @@ def test_the_sweep_compares_cost_aware_only_with_fixed_modes_of_the_same_tier(tm
 def test_a_cost_aware_run_with_nothing_like_it_gets_no_verdict(tmp_path):
     from simutil import KIB_IN_GIB
 
-    from tiered_kv.sim.sweep import sweep
+    from tiered_kv.cli.sweep import sweep
 
     raw = copy.deepcopy(TINY)
     raw["memory"]["cpu_kv_gib"] = 16 * KIB_IN_GIB

@@ -19,12 +19,12 @@ from poolutil import letters
 from reportutil import printed, table
 from simutil import KIB_IN_GIB, TINY
 
+from tiered_kv.cli.simulate import simulate
 from tiered_kv.core import Request
 from tiered_kv.manager import CostModel, ManagerConfig, TierManager
 from tiered_kv.sched import Scheduler, SchedulerConfig
 from tiered_kv.sim import run_tables, trace_report
 from tiered_kv.sim.config import load_config, setup
-from tiered_kv.sim.runner import simulate
 from tiered_kv.sim.workload import generate
 from tiered_kv.transfer import ControlledCopyEngine
 

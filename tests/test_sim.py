@@ -7,9 +7,9 @@ import pytest
 from reportutil import printed
 from simutil import KIB_IN_GIB, TINY, config, run
 
+from tiered_kv.cli.simulate import simulate
+from tiered_kv.cli.sweep import sweep
 from tiered_kv.errors import ConfigError
-from tiered_kv.sim.runner import simulate
-from tiered_kv.sim.sweep import sweep
 from tiered_kv.sim.workload import generate, load_trace
 
 

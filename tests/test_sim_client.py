@@ -17,9 +17,8 @@ from simutil import TINY, config, run
 
 from tiered_kv.cli import main
 from tiered_kv.errors import ConfigError
-from tiered_kv.sim.config import read_config, setup
+from tiered_kv.sim.config import config_from_raw, read_config, setup
 from tiered_kv.sim.records import jsonl
-from tiered_kv.sim.runner import config_from_raw
 from tiered_kv.sim.simulator import Simulator
 from tiered_kv.sim.workload import generate
 

@@ -3,11 +3,11 @@
 import pytest
 from simutil import TINY, config
 
+from tiered_kv.cli.simulate import regime_configs
 from tiered_kv.errors import ConfigError
 from tiered_kv.sim.compute import ComputeModel
 from tiered_kv.sim.config import DEFAULT_RUNS, load_config, setup
 from tiered_kv.sim.profiles import load_hardware, load_model
-from tiered_kv.sim.runner import regime_configs
 
 
 @pytest.mark.parametrize(
@@ -48,9 +48,9 @@ def test_vllm_v1_defaults_depend_on_the_gpu():
     assert load_hardware("a100-80gb-sxm").vllm_default_limits == (256, 2048)
     assert load_hardware("l40s").vllm_default_limits == (256, 2048)
     st = setup(load_config(None), 0)
-    assert (st.max_num_seqs, st.max_num_batched_tokens) == (1024, 8192)
+    assert (st.scheduler.max_num_seqs, st.scheduler.max_num_batched_tokens) == (1024, 8192)
     cfg = config(scheduler={"max_num_batched_tokens": 64})  # the toy GPU: 256 seqs, capped by the budget
-    assert setup(cfg, 0).max_num_seqs == 64
+    assert setup(cfg, 0).scheduler.max_num_seqs == 64
 
 
 def test_default_runs_separate_the_effects():

@@ -11,8 +11,8 @@ import json
 
 from simutil import config, run
 
+from tiered_kv.cli.simulate import simulate
 from tiered_kv.sim.records import jsonl
-from tiered_kv.sim.runner import simulate
 from tiered_kv.sim.timeline import chrome_trace
 
 

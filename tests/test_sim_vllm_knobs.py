@@ -27,7 +27,8 @@ def two_long_requests(**changes):
 
 def test_the_defaults_are_vllm_033s():
     st = setup(config(), 0)
-    assert (st.scheduler_reserve_full_isl, st.watermark, st.prefix_caching) == (True, 0.0, True)
+    assert st.scheduler.scheduler_reserve_full_isl
+    assert (st.manager.watermark, st.manager.enable_caching) == (0.0, True)
 
 
 def test_the_full_prompt_gate_admits_a_request_only_when_its_whole_prompt_fits():

@@ -10,7 +10,7 @@ import yaml
 from simutil import KIB_IN_GIB, TINY
 
 from tiered_kv.cli import main
-from tiered_kv.sim.sweep import plan_cells, run_cell
+from tiered_kv.cli.sweep import plan_cells, run_cell
 
 
 def busy_raw():

@@ -26,8 +26,8 @@ from tiered_kv.sched.status import RequestStatus
 from tiered_kv.tiers.chain import TierPolicy
 from tiered_kv.tiers.disk_io import DiskIO
 from tiered_kv.tiers.disk_store import DiskStore
-from tiered_kv.tiers.kinds.disk import DiskTier
-from tiered_kv.tiers.kinds.redis import RedisTier
+from tiered_kv.tiers.kinds.disk import DiskTierConfig
+from tiered_kv.tiers.kinds.redis import RedisTierConfig
 from tiered_kv.tiers.link import TierLink
 from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.transfer.plan import CPU, PlanKind
@@ -61,7 +61,7 @@ class Setup:
         self.gate = Gate()
         self.disk = DiskStore(tmp_path, NS, disk_blocks * SLOT)
         self.io = DiskIO(host(num_blocks=cpu), self.disk, fault_hook=self.gate)
-        self.tm.attach_tiers([LowerTier(self.disk, self.io, link or DiskTier.default_link, demote, 16)])
+        self.tm.attach_tiers([LowerTier(self.disk, self.io, link or DiskTierConfig.default_link, demote, 16)])
 
     def settle(self) -> list:
         """Land every copy (the controlled ones at once, the disk ones when their threads finish) and poll."""
@@ -255,8 +255,8 @@ def test_write_back_from_disk_to_a_remote_tier_passes_through_the_cpu_tier_and_l
     io = {"DISK": DiskIO(cpu_host, disk), "REMOTE": RedisIO(cpu_host, remote, fault_hook=hook)}
     tm.attach_tiers(
         [
-            LowerTier(disk, io["DISK"], DiskTier.default_link, "write_through"),
-            LowerTier(remote, io["REMOTE"], RedisTier.default_link, "write_back", 16),
+            LowerTier(disk, io["DISK"], DiskTierConfig.default_link, "write_through"),
+            LowerTier(remote, io["REMOTE"], RedisTierConfig.default_link, "write_back", 16),
         ]
     )
     s = Setup.__new__(Setup)  # reuse its settle loop over this manager
@@ -332,7 +332,7 @@ def test_bad_tiers_are_refused_and_change_nothing(tmp_path):
     tm, _eng = make_tm(offload="write_through")
     disk = DiskStore(tmp_path / "d", NS, 8 * SLOT)
     io = DiskIO(host(), disk)
-    link = DiskTier.default_link
+    link = DiskTierConfig.default_link
     good = [LowerTier(disk, io, link, "write_back", 8)]
     other_disk = DiskStore(tmp_path / "e", NS, 8 * SLOT)
     before = tm_snapshot(tm)

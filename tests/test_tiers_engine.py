@@ -26,8 +26,8 @@ from tiered_kv.core.request import Request
 from tiered_kv.engine.engine import Engine
 from tiered_kv.errors import InvalidArgumentError, StorageError
 from tiered_kv.tiers.cpu_store import CPUStore
-from tiered_kv.tiers.kinds.disk import DiskTier
-from tiered_kv.tiers.kinds.redis import RedisTier
+from tiered_kv.tiers.kinds.disk import DiskTierConfig
+from tiered_kv.tiers.kinds.redis import RedisTierConfig
 from tiered_kv.tiers.stack import TierStack
 
 _rng = random.Random(4)
@@ -59,7 +59,7 @@ def prefix_keys() -> list[bytes]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_prefix_evicted_from_gpu_and_cpu_is_loaded_from_disk_with_the_same_tokens(tmp_path, layout):
-    e = tiered(DiskTier(path=tmp_path, capacity_bytes=1 << 22), layout=layout)
+    e = tiered(DiskTierConfig(path=tmp_path, capacity_bytes=1 << 22), layout=layout)
     serve(e, [FIRST, *FILLERS])
     assert not any(e.scheduler.tm.store.contains(k) for k in prefix_keys())  # gone from the CPU tier
     assert e.metrics().lower_tiers["DISK"].loaded_blocks == 0
@@ -75,11 +75,11 @@ def test_a_prefix_evicted_from_gpu_and_cpu_is_loaded_from_disk_with_the_same_tok
 
 
 def test_a_restarted_engine_finds_the_prefix_its_predecessor_left_on_disk(tmp_path):
-    first = tiered(DiskTier(path=tmp_path))
+    first = tiered(DiskTierConfig(path=tmp_path))
     serve(first, [FIRST])  # the run ends with its CPU tier written back
     first.close()
     assert first.metrics().lower_tiers["DISK"].stored_blocks >= 6
-    e = tiered(DiskTier(path=tmp_path))
+    e = tiered(DiskTierConfig(path=tmp_path))
     assert e.tier_stack.stores["DISK"].disk_stats.recovered >= 6
     serve(e, [LATER])
     e.close()
@@ -91,7 +91,7 @@ def test_a_restarted_engine_finds_the_prefix_its_predecessor_left_on_disk(tmp_pa
 
 
 def test_a_prefix_evicted_from_gpu_and_cpu_is_loaded_from_a_real_redis_server(redis_server):
-    e = tiered(RedisTier(server=redis_server.url))
+    e = tiered(RedisTierConfig(server=redis_server.url))
     serve(e, [FIRST, *FILLERS, LATER])
     e.close()
     m = e.metrics()
@@ -104,7 +104,7 @@ def test_a_prefix_evicted_from_gpu_and_cpu_is_loaded_from_a_real_redis_server(re
 
 def test_with_three_tiers_a_prefix_that_fell_out_of_a_small_disk_too_comes_back_from_redis(tmp_path, redis_server):
     e = tiered(
-        DiskTier(path=tmp_path, capacity_bytes=4 * 8192), RedisTier(server=redis_server.url)
+        DiskTierConfig(path=tmp_path, capacity_bytes=4 * 8192), RedisTierConfig(server=redis_server.url)
     )  # the disk holds 4 blocks
     serve(e, [FIRST, *FILLERS])
     assert not any(e.tier_stack.stores["DISK"].contains(k) for k in prefix_keys())
@@ -119,7 +119,7 @@ def test_with_three_tiers_a_prefix_that_fell_out_of_a_small_disk_too_comes_back_
 
 
 def test_a_full_disk_costs_only_recomputation(tmp_path):
-    e = tiered(DiskTier(path=tmp_path, capacity_bytes=1 << 22))
+    e = tiered(DiskTierConfig(path=tmp_path, capacity_bytes=1 << 22))
 
     def full(op: str, key: object) -> None:
         if op == "store":
@@ -136,7 +136,7 @@ def test_a_full_disk_costs_only_recomputation(tmp_path):
 
 
 def test_a_corrupt_block_file_ends_the_loaded_prefix_and_the_rest_is_recomputed(tmp_path):
-    e = tiered(DiskTier(path=tmp_path, capacity_bytes=1 << 22))
+    e = tiered(DiskTierConfig(path=tmp_path, capacity_bytes=1 << 22))
     serve(e, [FIRST, *FILLERS])
     path = e.tier_stack.stores["DISK"].path_of(prefix_keys()[3])
     torn = path.read_bytes()
@@ -152,7 +152,7 @@ def test_a_corrupt_block_file_ends_the_loaded_prefix_and_the_rest_is_recomputed(
 
 
 def test_redis_dying_mid_store_costs_only_recomputation(redis_server):
-    e = tiered(RedisTier(server=redis_server.url))
+    e = tiered(RedisTierConfig(server=redis_server.url))
 
     def die(op: str, key: object) -> None:
         if op == "store":
@@ -168,7 +168,7 @@ def test_redis_dying_mid_store_costs_only_recomputation(redis_server):
 
 
 def test_redis_dying_mid_load_costs_only_recomputation(redis_server):
-    e = tiered(RedisTier(server=redis_server.url))
+    e = tiered(RedisTierConfig(server=redis_server.url))
     serve(e, [FIRST, *FILLERS])
     assert e.metrics().lower_tiers["REMOTE"].stored_blocks >= 6
 
@@ -190,23 +190,23 @@ def test_bad_tier_options_fail_and_leave_nothing_open(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(StorageError, match="cannot use directory"):
-        Engine(tiers=[DiskTier(path=blocker / "tiers")])
+        Engine(tiers=[DiskTierConfig(path=blocker / "tiers")])
     with pytest.raises(InvalidArgumentError, match="write_policy must be one of"):
-        Engine(tiers=[DiskTier(path=tmp_path / "d", write_policy="sideways")])
+        Engine(tiers=[DiskTierConfig(path=tmp_path / "d", write_policy="sideways")])
     with pytest.raises(InvalidArgumentError, match="num_cpu_blocks=0"):
-        Engine(config=engine_config(num_cpu_blocks=0), tiers=[DiskTier(path=tmp_path / "d")])
+        Engine(config=engine_config(num_cpu_blocks=0), tiers=[DiskTierConfig(path=tmp_path / "d")])
     with pytest.raises(
         InvalidArgumentError, match=r"tiers must have distinct media below the CPU, got \['DISK', 'DISK'\]"
     ):
-        Engine(tiers=[DiskTier(path=tmp_path / "d"), DiskTier(path=tmp_path / "e")])
-    with pytest.raises(InvalidArgumentError, match=r"DiskTier.link must be a TierLink"):
-        DiskTier(path=tmp_path / "d", link=(1e9, 0.0))
+        Engine(tiers=[DiskTierConfig(path=tmp_path / "d"), DiskTierConfig(path=tmp_path / "e")])
+    with pytest.raises(InvalidArgumentError, match=r"DiskTierConfig.link must be a TierLink"):
+        DiskTierConfig(path=tmp_path / "d", link=(1e9, 0.0))
     assert not (tmp_path / "d").exists()  # refused before a directory was made
-    e = Engine(tiers=[DiskTier(path=tmp_path / "d")])
+    e = Engine(tiers=[DiskTierConfig(path=tmp_path / "d")])
     with pytest.raises(StorageError, match="in use by another store"):
-        Engine(tiers=[DiskTier(path=tmp_path / "d")])
+        Engine(tiers=[DiskTierConfig(path=tmp_path / "d")])
     e.close()
-    Engine(tiers=[DiskTier(path=tmp_path / "d")]).close()  # closing released the directory
+    Engine(tiers=[DiskTierConfig(path=tmp_path / "d")]).close()  # closing released the directory
     for _ in range(1000):
         if set(threading.enumerate()) <= threads:
             break
@@ -219,9 +219,19 @@ def test_a_tier_stack_needs_a_tier_below_and_caps_write_back_at_what_that_tier_h
     with pytest.raises(InvalidArgumentError, match="needs at least one tier below the CPU"):
         TierStack(cpu, host(num_blocks=9), NS, [])
     with pytest.raises(InvalidArgumentError, match="does not match its store"):
-        TierStack(cpu, host(num_blocks=5), NS, [DiskTier(path=tmp_path)])
+        TierStack(cpu, host(num_blocks=5), NS, [DiskTierConfig(path=tmp_path)])
     assert not any(tmp_path.iterdir())  # refused before anything was made
-    with TierStack(cpu, host(num_blocks=9), NS, [DiskTier(path=tmp_path, capacity_bytes=3 * 4096)]) as stack:
+    with TierStack(cpu, host(num_blocks=9), NS, [DiskTierConfig(path=tmp_path, capacity_bytes=3 * 4096)]) as stack:
         assert [t.medium for t in stack.entries] == ["DISK"] and list(stack.engines) == ["DISK"]
         assert [t.writeback_reserve for t in stack.entries] == [3]  # 3: all the disk holds
         assert [t.write_policy for t in stack.entries] == ["write_back"]
+
+
+@pytest.mark.parametrize(("old", "new"), [("DiskTier", DiskTierConfig), ("RedisTier", RedisTierConfig)])
+def test_the_old_names_of_the_tier_kinds_still_work_with_a_warning(old, new):
+    """``DiskTier`` and ``RedisTier`` are the vLLM plug-in's classes; the kinds' configs were renamed."""
+    import tiered_kv.tiers as tiers
+
+    with pytest.warns(DeprecationWarning, match=rf"tiered_kv\.tiers\.{old} is now tiered_kv\.tiers\.{new.__name__}"):
+        assert getattr(tiers, old) is new
+    assert old not in tiers.__all__ and new.__name__ in tiers.__all__

@@ -326,7 +326,7 @@ def test_simulate_on_a_trace_says_where_the_gain_comes_from(tmp_path):
     from reportutil import table
     from simutil import TINY
 
-    from tiered_kv.sim.runner import simulate
+    from tiered_kv.cli.simulate import simulate
 
     src = _write(tmp_path, "m.jsonl", MOONCAKE_ROWS)
     raw = copy.deepcopy(TINY)

@@ -4,13 +4,12 @@
   recompute, measured on a small real model, on a Llama-shaped model with
   random weights, or for a model profile; one step-model fit, written as a
   calibration.  Its parts: the model (:mod:`~tiered_kv.bench.model`), the
-  tiers and swap timer (:mod:`~tiered_kv.bench.link`), the device sync and
+  tiers and swap timer (:mod:`~tiered_kv.bench.swap_timer`), the device sync and
   timing helpers (:mod:`~tiered_kv.bench.timing`);
 * the GPU rig (:mod:`~tiered_kv.bench.gpu_check`): device facts, the
   gpu-marked tests, copy bandwidth, overlap and syncs, crossover, and the
   report that is valid after every step;
-* the copy-engine bandwidth table (:mod:`~tiered_kv.bench.transfer`) and the
-  simulator-against-engine comparison (:mod:`~tiered_kv.bench.fidelity`).
+* the copy-engine bandwidth table (:mod:`~tiered_kv.bench.transfer`).
 
 Nothing below this package imports it; the command modules in
 :mod:`tiered_kv.cli` import it lazily, once their flags are checked.

@@ -49,8 +49,8 @@ from typing import Any
 
 import torch
 
-from tiered_kv.bench.link import SwapTimer, blocks_for, check_tiers_fit, link_name, make_tiers
 from tiered_kv.bench.model import LlamaShape, RandomLlama
+from tiered_kv.bench.swap_timer import SwapTimer, blocks_for, check_tiers_fit, link_name, make_tiers
 from tiered_kv.bench.timing import RowFile, Stopwatch, relative_spread, spread, sync_device
 from tiered_kv.engine.engine import Engine
 from tiered_kv.engine.engine_config import EngineConfig

@@ -204,7 +204,7 @@ def _run_profile(args: argparse.Namespace) -> int:
         model_spec,
         profile_crossover,
     )
-    from tiered_kv.bench.link import check_tiers_fit
+    from tiered_kv.bench.swap_timer import check_tiers_fit
     from tiered_kv.bench.timing import RowFile
     from tiered_kv.sim.progress import Phases
 
@@ -257,7 +257,7 @@ def _run_small(args: argparse.Namespace) -> int:
     need_extras((args.plots, "matplotlib", "--plots"))  # the path itself was claimed before the command ran
     torch = import_extra("torch", "this command")
     from tiered_kv.bench.crossover import crossover, default_lengths
-    from tiered_kv.bench.link import check_tiers_fit
+    from tiered_kv.bench.swap_timer import check_tiers_fit
     from tiered_kv.bench.timing import RowFile
     from tiered_kv.engine.model import ModelConfig
     from tiered_kv.storage.spec import DTYPE_BYTES

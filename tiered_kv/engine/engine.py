@@ -64,7 +64,7 @@ class Engine:
         config: Sizes, scheduling and options (:class:`EngineConfig`; default: its defaults).
         tiers: The tiers below the CPU tier, from the CPU down: a list of tier
             configurations (:class:`~tiered_kv.tiers.tier_kind.TierConfig`, e.g.
-            ``[DiskTier(path=...), RedisTier(server="redis://...")]``), built by a
+            ``[DiskTierConfig(path=...), RedisTierConfig(server="redis://...")]``), built by a
             :class:`~tiered_kv.tiers.stack.TierStack` (:attr:`tier_stack`) and
             closed by :meth:`close`.  They stage through the CPU tier.
         cost_model: For the cost-aware policy (e.g. from ``tiered-kv crossover``).

@@ -8,7 +8,7 @@ touches the manager, and every number in one scrape comes from the same
 instant.  vLLM's engine does the same: its scheduler makes stats each step and
 the Prometheus logger records them.
 
-Sources of truth: ``Scheduler.metrics()`` (the manager's counters and gauges),
+Sources of truth: ``sched.tm.metrics()`` (the manager's counters and gauges),
 ``Scheduler.tokens_recomputed``, the scheduler's request statuses, the
 manager's decision log (preemptions by mode and reason) and the copies the
 scheduler applies (latency per kind, observed through

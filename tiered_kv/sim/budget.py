@@ -86,7 +86,7 @@ def estimate(
     ``parallel`` simulations run at a time, ``local_parallel`` of them
     (default: all) on this machine; each holds its own workload and pools.
     """
-    blocks = max(s.num_gpu_blocks + s.num_cpu_blocks for s in setups)
+    blocks = max(s.manager.num_gpu_blocks + s.manager.num_cpu_blocks for s in setups)
     wl = work.tokens * BYTES_PER_TOKEN + work.requests * 512
     bl = blocks * BYTES_PER_BLOCK
     lanes = max(1, min(parallel, cells))
@@ -109,20 +109,21 @@ def check(
         ResourceLimitError: more memory than the machine has, or more than :data:`MAX_SECONDS`.
     """
     machine = machine or Machine.this()
-    smallest = min(setups, key=lambda s: s.num_gpu_blocks)
-    need = -(-work.longest // smallest.block_size)
-    if need > smallest.num_gpu_blocks - 1:
+    smallest = min(setups, key=lambda s: s.manager.num_gpu_blocks)
+    need = -(-work.longest // smallest.manager.block_size)
+    if need > smallest.manager.num_gpu_blocks - 1:
         raise ConfigError(
             f"{work.longest_key}: a request of {work.longest} tokens needs {need} GPU blocks, more than the "
-            f"{smallest.num_gpu_blocks - 1} of run {smallest.name!r}; it could never run"
+            f"{smallest.manager.num_gpu_blocks - 1} of run {smallest.name!r}; it could never run"
         )
     est = estimate(work, setups, cells, parallel, local_parallel)
     wkey = "workload.trace" if work.longest_key.startswith("workload.trace") else "workload.num_requests"
     if machine.memory_bytes is not None and est.memory_bytes > machine.memory_bytes:
         if est.block_bytes > est.workload_bytes:
-            big = max(setups, key=lambda s: s.num_gpu_blocks + s.num_cpu_blocks)
+            big = max(setups, key=lambda s: s.manager.num_gpu_blocks + s.manager.num_cpu_blocks)
+            m = big.manager
             cause = (
-                f"memory: {big.num_gpu_blocks} GPU + {big.num_cpu_blocks} CPU blocks (run {big.name!r})",
+                f"memory: {m.num_gpu_blocks} GPU + {m.num_cpu_blocks} CPU blocks (run {big.name!r})",
                 "use fewer blocks (memory.gpu_blocks/cpu_blocks, or smaller *_kv_gib)",
             )
         else:

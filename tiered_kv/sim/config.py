@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.manager_config import ManagerConfig
+from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sim.calibration import Calibration
 from tiered_kv.sim.client import OPEN_LOOP, ClientSpec
 from tiered_kv.sim.compute import ComputeModel
@@ -62,38 +64,29 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RunSetup:
-    """Everything one simulated run needs, derived from a validated config and one ``runs`` entry."""
+    """Everything one simulated run needs, derived from a validated config and one ``runs`` entry.
+
+    The manager's and the scheduler's settings are theirs (:attr:`manager`, :attr:`scheduler`);
+    the rest is the simulator's: the profiles and models that time the run, the copy mode, the
+    tiers below the CPU, the client.
+    """
 
     name: str
-    victim_policy: str
-    mode: str
-    offload: str
     hardware: HardwareProfile
     model: ModelProfile
     compute: ComputeModel
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
+    link: LinkProfile
+    manager: ManagerConfig  # what the run's TierManager is built with
+    scheduler: SchedulerConfig
+    cost_model: CostModel  # the manager's pricing of a swap against a recompute, from the profiles
     gpu_kv_gib: float
     cpu_kv_gib: float
-    d2h_bytes_per_s: float
-    h2d_bytes_per_s: float
-    per_copy_overhead_s: float
-    cost_model: CostModel
-    hash_fn: str
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    chunked_prefill: bool
-    link: LinkProfile
     copies: str = "async"
     kv_layout: str = "block_contiguous"
     coalesce: bool = True
     note: str = ""
     vs: str | None = None
     tiers: TierSetup = NO_TIERS
-    prefix_caching: bool = True
-    scheduler_reserve_full_isl: bool = True
-    watermark: float = 0.0
     client: ClientSpec = OPEN_LOOP  # how the requests are sent (workload.concurrency, workload.think_s)
     engine: str = ""
     async_scheduling: bool = False
@@ -525,41 +518,41 @@ def setup(cfg: dict[str, Any], run_index: int, calibration: Calibration | None =
     n_gpu, n_cpu, block_bytes = sizes.num_gpu_blocks, sizes.num_cpu_blocks, sizes.block_bytes
     bs = cfg["memory"]["block_size"]
     compute, cost, link, uncalibrated = _models(cfg, run, hw, model, calibration, engine)
-    d2h, h2d, ovh = link.d2h_bytes_per_s, link.h2d_bytes_per_s, link.per_copy_overhead_s
     async_sched = s["async_scheduling"] if s["async_scheduling"] is not None else engine.async_scheduling
     tiers = resolve_tiers(run["tiers"], hw.tiers, block_bytes, max(n_cpu, 0), run["offload"], f"{rkey}.tiers")
     _check_prefix_caching(cfg["memory"]["prefix_caching"], run, rkey)
     return RunSetup(
         name=run["name"],
-        victim_policy=run["victim_policy"],
-        mode=run["mode"],
-        offload=run["offload"],
         hardware=hw,
         model=model,
         compute=compute,
-        block_size=bs,
-        num_gpu_blocks=n_gpu,
-        num_cpu_blocks=max(n_cpu, 0),
+        link=link,
+        manager=ManagerConfig(
+            num_gpu_blocks=n_gpu,
+            num_cpu_blocks=max(n_cpu, 0),
+            block_size=bs,
+            offload=run["offload"],
+            hash_fn=cfg["hash"],
+            enable_caching=cfg["memory"]["prefix_caching"],
+            watermark=s["watermark"],
+        ),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_tokens,
+            max_num_seqs=max_seqs,
+            chunked_prefill=s["chunked_prefill"],
+            victim_policy=run["victim_policy"],
+            mode=run["mode"],
+            scheduler_reserve_full_isl=s["scheduler_reserve_full_isl"],
+        ),
+        cost_model=cost,
         gpu_kv_gib=sizes.gpu_kv_gib,
         cpu_kv_gib=sizes.cpu_kv_gib,
-        d2h_bytes_per_s=d2h,
-        h2d_bytes_per_s=h2d,
-        per_copy_overhead_s=ovh,
-        cost_model=cost,
-        hash_fn=cfg["hash"],
-        max_num_batched_tokens=max_tokens,
-        max_num_seqs=max_seqs,
-        chunked_prefill=s["chunked_prefill"],
-        link=link,
         copies=run["copies"],
         kv_layout=run["kv_layout"],
         coalesce=run["coalesce"],
         note=run["note"],
         vs=run["vs"],
         tiers=tiers,
-        prefix_caching=cfg["memory"]["prefix_caching"],
-        scheduler_reserve_full_isl=s["scheduler_reserve_full_isl"],
-        watermark=s["watermark"],
         client=ClientSpec(cfg["workload"]["concurrency"], cfg["workload"]["think_s"]),
         engine=engine.name,
         async_scheduling=async_sched,

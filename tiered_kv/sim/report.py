@@ -49,10 +49,10 @@ class KVDemand:
 
 def kv_demand(setup: RunSetup, workload: Sequence[Any]) -> KVDemand:
     """:class:`KVDemand` of ``workload`` under ``setup``'s GPU pool and ``max_num_seqs``."""
-    bs = setup.block_size
+    bs = setup.manager.block_size
     sizes = sorted((-(-(r.prompt_len + len(r.output) - 1) // bs) for r in workload), reverse=True)
-    k = min(setup.max_num_seqs, len(sizes))
-    return KVDemand(k, sum(sizes[:k]), max(setup.num_gpu_blocks - 1, 1))
+    k = min(setup.scheduler.max_num_seqs, len(sizes))
+    return KVDemand(k, sum(sizes[:k]), max(setup.manager.num_gpu_blocks - 1, 1))
 
 
 def regime_verdict(runs: list[dict[str, Any]], offered_rps: float) -> dict[str, Any]:

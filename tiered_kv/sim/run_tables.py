@@ -31,7 +31,7 @@ NAME_WIDTH = 22
 
 
 @dataclass(frozen=True, slots=True)
-class Row:
+class RunRow:
     """One row of a table: a run's results, its number, and the run it is compared with.
 
     Attributes:
@@ -60,7 +60,7 @@ class Column:
 
     head: str
     width: int
-    cell: Callable[[Row], str]
+    cell: Callable[[RunRow], str]
     legend: str
     key: str = ""
 
@@ -101,7 +101,7 @@ class Table:
         head = lead + "".join(f" {c.head:>{c.width}}" for c in self.columns)
         return [*lines, head, "-" * len(head)]
 
-    def render(self, rows: Sequence[Row], legend: bool = True) -> str:
+    def render(self, rows: Sequence[RunRow], legend: bool = True) -> str:
         """:meth:`head`, one line per row, then (with ``legend``) the legend."""
         name_w = min(NAME_WIDTH, max([3, *(len(r.run["run"]) for r in rows)]))
         lines = self.head(name_w)
@@ -129,14 +129,14 @@ class Table:
         return out
 
 
-def rows(runs: Sequence[dict[str, Any]]) -> list[Row]:
+def rows(runs: Sequence[dict[str, Any]]) -> list[RunRow]:
     """A row per run, each with the run it is compared with: its ``vs``, else the first run (none for the first)."""
     number = {r["run"]: i + 1 for i, r in enumerate(runs)}
     out = []
     for i, r in enumerate(runs):
         ref_name = r.get("vs") or (runs[0]["run"] if i else None)
         ref = runs[number[ref_name] - 1] if ref_name in number else None
-        out.append(Row(r, i + 1, ref, number[ref_name] if ref is not None else None))
+        out.append(RunRow(r, i + 1, ref, number[ref_name] if ref is not None else None))
     return out
 
 
@@ -152,37 +152,37 @@ def _pct(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
-def _vs(r: Row) -> str:
+def _vs(r: RunRow) -> str:
     return str(r.ref_number) if r.ref_number is not None else "-"
 
 
-def _p(key: str, q: str, scale: float = 1.0, fmt: str = ".2f") -> Callable[[Row], str]:
+def _p(key: str, q: str, scale: float = 1.0, fmt: str = ".2f") -> Callable[[RunRow], str]:
     return lambda r: f"{r.run[key][q] * scale:{fmt}}"
 
 
-def _time_x(key: str) -> Callable[[Row], str]:
+def _time_x(key: str) -> Callable[[RunRow], str]:
     return lambda r: speedup(r.ref[key]["p50"], r.run[key]["p50"]) if r.ref is not None else "-"
 
 
-def _tput_x(r: Row) -> str:
+def _tput_x(r: RunRow) -> str:
     return speedup(r.run["throughput_rps"], r.ref["throughput_rps"]) if r.ref is not None else "-"
 
 
-def _first(r: Row, where: str) -> str:
+def _first(r: RunRow, where: str) -> str:
     lk = r.run["lookup_tokens"]["first"]
     return _pct(lk[where], lk["tokens"])
 
 
-def _found_again(r: Row) -> str:
+def _found_again(r: RunRow) -> str:
     lk = r.run["lookup_tokens"]["readmitted"]
     return f"{lk['gpu'] + lk['cpu']:d}"
 
 
-def _hidden(r: Row) -> str:
+def _hidden(r: RunRow) -> str:
     return _pct(r.run["transfer_hidden_s"], r.run["transfer_s"])
 
 
-def _saved(r: Row) -> str:
+def _saved(r: RunRow) -> str:
     if r.ref is None:
         return "-"
     return f"{r.ref['tokens_computed'] - r.run['tokens_computed']:+d}"

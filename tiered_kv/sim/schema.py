@@ -11,6 +11,18 @@ Numbers are finite unless a field says otherwise: a NaN compares false with
 everything, so one NaN arrival rate or step time would stall the simulated
 clock forever; infinity is allowed only where it means something (a link with
 infinite bandwidth is a free link).
+
+Why a validator of its own rather than pydantic (vLLM's config is on pydantic): three
+sections (``memory``, ``scheduler``, ``link``) ported to pydantic 2.14 models gave the same
+messages and documents on 18 good and bad inputs, in 35 lines of declarations where the
+schema takes 46; but keeping the messages (the key's full path and the fix, wrong values
+before missing keys, retired keys' explanations, the YAML exponent hint, "known keys here")
+took a formatter of 80 lines that reads pydantic's error locations, whose labels for union
+members and validators are no documented interface, where this module's code is 107 lines
+and covers more (choices, defaults computed per key).  At that rate the whole schema would
+save about 60 of the 334 lines of code of this module and ``config_schema`` at best (under
+20%): not enough to pay for a compiled dependency in the ``sim`` extra and messages tied to
+another library's internals.
 """
 
 from __future__ import annotations

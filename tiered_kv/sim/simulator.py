@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any, cast
+from typing import Any
 
 from tiered_kv.core.request import Request
 from tiered_kv.errors import TieredKVError
-from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.states import PreemptMode
 from tiered_kv.manager.tier_manager import TierManager
-from tiered_kv.sched import Scheduler, SchedulerConfig, SchedulerOutput
+from tiered_kv.sched import Scheduler, SchedulerOutput
 from tiered_kv.sim import tier_io
 from tiered_kv.sim.client import READY, Client
 from tiered_kv.sim.config import RunSetup
@@ -116,21 +115,14 @@ class Simulator:
         self.loop = EventLoop(record_trace)
         self.progress = progress
         self.usage_points = usage_points
+        m = setup.manager
         geometry = CopyGeometry(
-            setup.block_size * setup.model.kv_bytes_per_token, setup.model.num_layers, setup.kv_layout, setup.coalesce
+            m.block_size * setup.model.kv_bytes_per_token, setup.model.num_layers, setup.kv_layout, setup.coalesce
         )
         self.engine = SimLink(self.loop, setup.link, geometry, setup.copies, keep_jobs=keep_timeline)
         self.engine.on_submit = self._count_copy
         tm = manager_class(
-            ManagerConfig(
-                setup.num_gpu_blocks,
-                setup.num_cpu_blocks,
-                setup.block_size,
-                offload=setup.offload,
-                hash_fn=setup.hash_fn,
-                enable_caching=setup.prefix_caching,
-                watermark=setup.watermark,
-            ),
+            m,
             self.engine,
             cost_model=setup.cost_model,
         )
@@ -143,22 +135,29 @@ class Simulator:
             None if setup.client.open_loop else Client(setup.client, workload, self.loop, setup.compute.frontend_s)
         )
         self.steps: list[Step] | None = [] if keep_timeline else None
-        self.scheduler = Scheduler(
-            tm,
-            SchedulerConfig(
-                setup.max_num_batched_tokens,
-                setup.max_num_seqs,
-                setup.chunked_prefill,
-                victim_policy=setup.victim_policy,
-                mode=setup.mode,
-                scheduler_reserve_full_isl=setup.scheduler_reserve_full_isl,
-            ),
-        )
+        self.scheduler = Scheduler(tm, setup.scheduler)
+        # The run's state, kept between the loop's steps (see _run).
+        self._finished = 0  # requests done
+        self._layerwise = self.engine.mode == "layerwise"
+        self._carry: list[CopyJob] = []  # layerwise copies the next step reads
+        self._ms_left = 0  # steps left in a multi-step run (compute.scheduler_steps)
+        self._held: list[SimRequest] = []  # arrived during a multi-step run: decided on after it
+        self._late: list[SimRequest] = []  # arrived during a step, with async scheduling
+        self._deferred: list[SimRequest] = []  # late ones, decided on one decision later
+        self._busy: list[tuple[float, float]] = []  # (start, end) of every step
+        self._n_steps = 0
+        self._tokens_computed = 0
+        self._recompute_s = 0.0
+        self._stall_s = 0.0
+        # Memory usage, about usage_points samples: start from the arrival span, halve when too many.
+        self._usage: list[tuple[float, float, float, float]] = []
+        last_arrival = max((r.arrival for r in workload), default=0.0)
+        self._usage_dt = max(last_arrival, 1.0) / usage_points
+        self._next_usage = 0.0
 
     def _count_copy(self, job: CopyJob) -> None:
         plan = job.plan
-        rid = plan.request_id
-        rec = self.records.get(rid) if rid.__class__ is int else None
+        rec = self.records.get(plan.request_id)  # type: ignore[call-overload]  # a tier move's id is no request's
         if rec is None:
             return
         if plan.kind is PlanKind.SWAP_OUT:
@@ -186,255 +185,256 @@ class Simulator:
             if not frozen_before:
                 gc.unfreeze()
 
-    # The event loop, in one function: its locals are the hot loop's state, and a call per
-    # event or per request-step would cost more than the work it does;
-    # ``benchmarks/bench_sim.py --digest`` pins its decisions, event for event.
     def _run(self) -> dict[str, Any]:
-        loop, sched, link = self.loop, self.scheduler, self.engine
-        records, outputs = self.records, self.outputs
-        compute = self.setup.compute
-        num_layers = self.setup.model.num_layers
-        blocking = link.mode == "blocking"
-        layerwise = link.mode == "layerwise"
-        tracing = loop.trace is not None
-        steps = self.steps
-        # The serving front end (HTTP, tokenization, hand-off) delays a request's entry into the
-        # scheduler; its record keeps the time it was sent, so TTFT and E2E include the front end.
-        front = compute.frontend_s
-        client = self.client
-        if client is None:
-            for r in self.workload:
-                loop.schedule(r.arrival + front, "arrival", r)
-        else:
-            client.start()  # it sends each request when it is ready and a slot is free
-        # Multi-step scheduling (vLLM 0.6's --num-scheduler-steps): a decode-only batch runs
-        # msteps steps per decision, and requests arriving meanwhile wait for the next decision.
-        msteps = compute.scheduler_steps
-        ms_left = 0
-        held: list[SimRequest] = []
-        # Async scheduling (vLLM 0.14.0 and later): step k + 1 is decided while step k runs, so a
-        # request that reaches the scheduler during step k is first decided on after it, for step
-        # k + 2 (``late`` during the step, ``deferred`` for one decision) unless step k + 1 had
-        # nothing to run.
-        asynch = self.setup.async_scheduling
-        late: list[SimRequest] = []
-        deferred: list[SimRequest] = []
+        """The event loop: decide a step, compute it, handle what happened meanwhile; until every request is done.
+
+        ``benchmarks/bench_sim.py --digest`` pins its decisions, event for event.
+        """
+        loop, sched = self.loop, self.scheduler
         total = len(self.workload)
-        size = max((r.rid for r in self.workload), default=-1) + 1
-        # Hot-loop copies indexed by request id (ids are 0..n-1): a list index is cheaper than a dict lookup.
-        by_rid: list[RequestRecord | None] = [None] * size
-        times: list[list[float] | None] = [None] * size  # each request's token times (its record's list)
-        out_ids: list[Sequence[int] | None] = [outputs.get(i) for i in range(size)]
-        finished = 0
-        busy: list[tuple[float, float]] = []
-        usage: list[tuple[float, float, float, float]] = []
-        # Sample memory usage about usage_points times: start from the arrival span, halve when too many.
-        last_arrival = max((r.arrival for r in self.workload), default=0.0)
-        usage_dt = max(last_arrival, 1.0) / self.usage_points
-        next_usage = 0.0
-        n_steps = 0
-        tokens_computed = 0
-        recompute_s = 0.0
-        stall_s = 0.0
-        carry: list[CopyJob] = []  # layerwise copies the next step reads
+        self._send_workload()
         last_report = time.perf_counter()
-
-        def advance(to: float, before: bool = False, stepping: bool = False) -> None:
-            """Handle every event up to ``to`` (strictly before, with ``before``) at its own time, then set the clock.
-
-            Copies finish mid-step at their own time, so the link's next copy starts
-            then; events at the step's end are handled after the step is applied.
-            ``stepping``: a step runs until ``to`` (an arrival then is late for async scheduling).
-            """
-            while True:
-                ev = loop.pop_until(to, before)
-                if ev is None:
-                    break
-                t_event, kind, payload = ev
-                if kind == "copy":
-                    job = link.on_event(payload)
-                    if job is not None and tracing:
-                        loop.log("transfer_done", job.plan.plan_id, t_event)
-                elif kind == tier_io.EVENT:
-                    tier_io.on_event(payload)
-                elif kind == READY:
-                    client.ready(payload, t_event)  # type: ignore[union-attr]  # only a client schedules READY
-                elif ms_left:
-                    held.append(payload)
-                elif stepping and asynch:
-                    late.append(payload)
-                else:
-                    enter(payload, t_event)
-            if to > loop.now:
-                loop.now = to
-
-        def enter(r: SimRequest, t_event: float) -> None:
-            if r.hashes is None:
-                req = Request(r.rid, r.prompt, max_tokens=len(r.output), arrival_time=r.arrival)
-            else:  # a trace's prefix hashes: the pool keys on them, nothing is tokenized
-                req = Request.from_hashes(
-                    r.rid, r.hashed_len, r.hashes, r.hash_block_size, len(r.output), arrival_time=r.arrival
-                )
-            sched.add_request(req)
-            rec = RequestRecord(r.rid, r.rid if r.id is None else r.id, r.arrival, r.prompt_len)
-            if r.queued:
-                rec.client_queue = r.queued
-            records[r.rid] = by_rid[r.rid] = rec
-            times[r.rid] = rec.token_times
-            if tracing:
-                loop.log("arrival", r.rid, t_event)
-
-        peek = loop.peek_time
-        n_steps_seen = 0
         while True:
-            due = peek()
+            due = loop.peek_time()
             if due is not None and due <= loop.now:
-                advance(loop.now)
-            if finished == total:
+                self._advance(loop.now)
+            if self._finished == total:
                 sched.settle()  # settle copies still in flight (stores to the CPU tier)
                 nt = loop.peek_time()
                 if nt is None:
                     break
-                advance(nt)
+                self._advance(nt)
                 continue
-            if held and not ms_left:
-                for r_held in held:
-                    enter(r_held, loop.now)  # it reaches the scheduler now, at the decision it waited for
-                held.clear()
-            if deferred:
-                for r_held in deferred:
-                    enter(r_held, loop.now)  # one decision later: the step after next, as async scheduling has it
-                deferred.clear()
-            if late:
-                if sched.num_unfinished:  # the next step was decided without them: they wait for the one after
-                    deferred.extend(late)
-                else:
-                    for r_held in late:
-                        enter(r_held, loop.now)
-                late.clear()
+            self._admit_waiting()
             out = sched.schedule()
-            now = loop.now
-            if tracing:
-                self._log_batch(out)
-            for rid, mode in out.preempted:
-                rec = records[rid]  # type: ignore[index]
-                if mode is PreemptMode.SWAP:
-                    rec.preemptions_swap += 1
-                else:
-                    rec.preemptions_recompute += 1
-            for rid in out.admitted:
-                rec = records[rid]  # type: ignore[index]
-                if rec.admitted < 0:
-                    rec.admitted = now
-            new_early = link.take_layerwise() if layerwise else []
+            self._note_decisions(out)
+            early = self.engine.take_layerwise() if self._layerwise else []
             if out.num_tokens:
-                attn = 0  # exact in ints; the float of the sum is what a float accumulator gave (< 2**53)
-                kv = 0
-                pre = 0  # tokens and attention units of prefill chunks (requests computing > 1 token)
-                pre_attn = 0
-                sampled: dict[Hashable, int] = {}
-                firsts: list[int] = []  # requests sampling their first output token (only they can set first_token)
-                for req, n in out.scheduled:
-                    rid = cast(int, req.request_id)  # the simulator's requests are numbered 0..n-1
-                    c = req.num_computed_tokens
-                    e = c + n
-                    attn += n * (c + e)  # = e * e - c * c
-                    kv += e
-                    if n > 1:
-                        pre += n
-                        pre_attn += n * (c + e)
-                    if e == len(req.all_token_ids):  # the Request's own list: len() is num_tokens, without a property
-                        k = e - req.num_prompt_tokens
-                        sampled[rid] = out_ids[rid][k]  # type: ignore[index]
-                        if not k:
-                            firsts.append(rid)
-                dt = compute.step_time(
-                    out.num_tokens, float(attn), kv, len(out.scheduled), len(sampled), pre, float(pre_attn)
-                )
-                if msteps > 1:
-                    # a decision that scheduled only decodes starts a run of msteps steps
-                    ms_left = ms_left - 1 if ms_left else (msteps - 1 if not pre else 0)
-                if out.recomputed_tokens:
-                    recompute_s += dt * out.recomputed_tokens / out.num_tokens
-                    for r_id, k in out.recomputed.items():  # the scheduler keeps the high-water marks
-                        by_rid[cast(int, r_id)].recomputed_tokens += k  # type: ignore[union-attr]
-                start = now
-                if blocking and link.busy():
-                    start = link.idle_at()  # the compute stream waits for every copy issued before it
-                end = start + dt
-                if carry:
-                    end = link.layerwise_end(carry, start, dt, num_layers)
-                    carry = []
-                if end - now > dt:
-                    stall_s += end - now - dt
-                advance(end, before=True, stepping=True)
-                busy.append((start, end))
-                n_steps += 1
-                tokens_computed += out.num_tokens
-                if steps is not None:
-                    steps.append(
-                        Step(n_steps, now, start, end, dt, len(out.scheduled), out.num_tokens,
-                             len(out.preempted), len(out.resumed))
-                    )  # fmt: skip
-                for rid in firsts:
-                    rec = by_rid[rid]  # type: ignore[assignment]
-                    if rec.first_token < 0:
-                        rec.first_token = end
-                for rid in sampled:  # every token sampled in this step reaches the client at its end
-                    times[rid].append(end)  # type: ignore[call-overload]
-                for req in sched.update(out, sampled):
-                    rec = by_rid[cast(int, req.request_id)]  # type: ignore[assignment]
-                    rec.finish = end
-                    rec.output_tokens = req.num_output_tokens
-                    if tracing:
-                        loop.log("finish", req.request_id)
-                    if client is not None:
-                        client.finished(rec.rid, end)
-                finished = len(records) - sched.num_unfinished
-                if end >= next_usage:
-                    m = sched.tm.metrics()
-                    # held: pinned by a swapped request or a load, or being written (cannot be evicted);
-                    # fill: every block the CPU tier caches, held or evictable.  Both are fractions of the tier.
-                    cpu_held = m.cpu_pinned_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
-                    fill = m.cpu_cached_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
-                    usage.append((end, m.gpu_usage, cpu_held, fill))
-                    next_usage = end + usage_dt
-                    # a long tail: keep every other sample, sample half as often
-                    if len(usage) >= 2 * self.usage_points:
-                        usage = usage[::2]
-                        usage_dt *= 2
-                carry = new_early
+                self._step(out)
+                self._carry = early
             else:
-                carry.extend(new_early)
-                if held:  # nothing runs: the multi-step run is over, and the next decision is now
-                    ms_left = 0
+                self._carry.extend(early)
+                if self._decide_again(out, early):
                     continue
-                if deferred:  # nothing ran: the step they waited for was empty, so they are decided on now
-                    for r_held in deferred:
-                        enter(r_held, loop.now)
-                    deferred.clear()
-                    continue
-                if new_early:
-                    continue  # a layerwise copy was ordered: its request can run in the next step, now
-                nt = loop.peek_time()
-                if nt is None and (out.resumed or out.admitted):
-                    # A request came back (or in) after this step's batch was picked, its KV on the GPU
-                    # already: with nothing else to wait for, it runs in the next step, now.
-                    continue
-                if nt is None:
-                    raise SimulationError(
-                        f"run {self.setup.name!r}: no progress at t={loop.now:.3f}s with {sched.num_unfinished} "
-                        f"requests unfinished ({len(sched.waiting)} waiting, {len(sched.running)} running, "
-                        f"{len(sched.swapped)} swapped) and nothing left to wait for"
-                    )
-                advance(max(loop.now, nt))
-            n_steps_seen += 1
-            if self.progress is not None and not n_steps_seen & 31 and time.perf_counter() - last_report > 0.5:
-                self.progress(finished, total, loop.now)
+            if self.progress is not None and time.perf_counter() - last_report > 0.5:
+                self.progress(self._finished, total, loop.now)
                 last_report = time.perf_counter()
         if self.progress is not None:
-            self.progress(finished, total, loop.now)
-        return self._results(busy, usage, n_steps, tokens_computed, recompute_s, stall_s)
+            self.progress(self._finished, total, loop.now)
+        return self._results()
+
+    def _send_workload(self) -> None:
+        """Schedule every request's arrival at the scheduler, or hand the workload to the client."""
+        # The serving front end (HTTP, tokenization, hand-off) delays a request's entry into the
+        # scheduler; its record keeps the time it was sent, so TTFT and E2E include the front end.
+        if self.client is None:
+            front = self.setup.compute.frontend_s
+            for r in self.workload:
+                self.loop.schedule(r.arrival + front, "arrival", r)
+        else:
+            self.client.start()  # it sends each request when it is ready and a slot is free
+
+    def _advance(self, to: float, before: bool = False, stepping: bool = False) -> None:
+        """Handle every event up to ``to`` (strictly before, with ``before``) at its own time, then set the clock.
+
+        Copies finish mid-step at their own time, so the link's next copy starts
+        then; events at the step's end are handled after the step is applied.
+        ``stepping``: a step runs until ``to`` (an arrival then is late for async scheduling).
+        """
+        loop = self.loop
+        while True:
+            ev = loop.pop_until(to, before)
+            if ev is None:
+                break
+            t_event, kind, payload = ev
+            if kind == "copy":
+                job = self.engine.on_event(payload)
+                if job is not None and loop.trace is not None:
+                    loop.log("transfer_done", job.plan.plan_id, t_event)
+            elif kind == tier_io.EVENT:
+                tier_io.on_event(payload)
+            elif kind == READY:
+                self.client.ready(payload, t_event)  # type: ignore[union-attr]  # only a client schedules READY
+            elif self._ms_left:
+                self._held.append(payload)
+            elif stepping and self.setup.async_scheduling:
+                self._late.append(payload)
+            else:
+                self._enter(payload, t_event)
+        if to > loop.now:
+            loop.now = to
+
+    def _enter(self, r: SimRequest, t_event: float) -> None:
+        """Request ``r`` reaches the scheduler at ``t_event``."""
+        if r.hashes is None:
+            req = Request(r.rid, r.prompt, max_tokens=len(r.output), arrival_time=r.arrival)
+        else:  # a trace's prefix hashes: the pool keys on them, nothing is tokenized
+            req = Request.from_hashes(
+                r.rid, r.hashed_len, r.hashes, r.hash_block_size, len(r.output), arrival_time=r.arrival
+            )
+        self.scheduler.add_request(req)
+        rec = RequestRecord(r.rid, r.rid if r.id is None else r.id, r.arrival, r.prompt_len)
+        if r.queued:
+            rec.client_queue = r.queued
+        self.records[r.rid] = rec
+        self.loop.log("arrival", r.rid, t_event)
+
+    def _admit_waiting(self) -> None:
+        """Hand the scheduler the requests that waited for this decision.
+
+        Multi-step scheduling (vLLM 0.6's ``--num-scheduler-steps``): a decode-only batch runs
+        ``scheduler_steps`` steps per decision, and requests arriving meanwhile wait (``held``)
+        for the next decision.  Async scheduling (vLLM 0.14.0 and later): step k + 1 is decided
+        while step k runs, so a request that reaches the scheduler during step k is first decided
+        on after it, for step k + 2 (``late`` during the step, ``deferred`` for one decision),
+        unless step k + 1 had nothing to run.
+        """
+        now = self.loop.now
+        if self._held and not self._ms_left:
+            for r in self._held:
+                self._enter(r, now)  # it reaches the scheduler now, at the decision it waited for
+            self._held.clear()
+        if self._deferred:
+            for r in self._deferred:
+                self._enter(r, now)  # one decision later: the step after next, as async scheduling has it
+            self._deferred.clear()
+        if self._late:
+            if self.scheduler.num_unfinished:  # the next step was decided without them: they wait for the one after
+                self._deferred.extend(self._late)
+            else:
+                for r in self._late:
+                    self._enter(r, now)
+            self._late.clear()
+
+    def _note_decisions(self, out: SchedulerOutput) -> None:
+        """Count the step's preemptions and first admissions in the requests' records."""
+        if self.loop.trace is not None:
+            self._log_batch(out)
+        records = self.records
+        for rid, mode in out.preempted:
+            rec = records[rid]  # type: ignore[index]
+            if mode is PreemptMode.SWAP:
+                rec.preemptions_swap += 1
+            else:
+                rec.preemptions_recompute += 1
+        for rid in out.admitted:
+            rec = records[rid]  # type: ignore[index]
+            if rec.admitted < 0:
+                rec.admitted = self.loop.now
+
+    def _step(self, out: SchedulerOutput) -> None:
+        """Compute the batch ``out``: how long it takes, what the link does meanwhile, the tokens it samples."""
+        loop, link, compute = self.loop, self.engine, self.setup.compute
+        now = loop.now
+        records, outputs = self.records, self.outputs
+        attn = 0  # exact in ints; the float of the sum is what a float accumulator gave (< 2**53)
+        kv = 0
+        pre = 0  # tokens and attention units of prefill chunks (requests computing > 1 token)
+        pre_attn = 0
+        sampled: dict[Hashable, int] = {}
+        firsts: list[RequestRecord] = []  # records of requests sampling their first output token
+        for req, n in out.scheduled:
+            rid = req.request_id
+            rec = records[rid]  # type: ignore[index]  # the simulator's requests are numbered 0..n-1
+            c = req.num_computed_tokens
+            e = c + n
+            attn += n * (c + e)  # = e * e - c * c
+            kv += e
+            if n > 1:
+                pre += n
+                pre_attn += n * (c + e)
+            if e == req.num_tokens:
+                k = e - req.num_prompt_tokens
+                sampled[rid] = outputs[rid][k]  # type: ignore[index]
+                if not k:
+                    firsts.append(rec)
+        dt = compute.step_time(out.num_tokens, float(attn), kv, len(out.scheduled), len(sampled), pre, float(pre_attn))
+        steps_per_decision = compute.scheduler_steps
+        if steps_per_decision > 1:
+            # a decision that scheduled only decodes starts a run of scheduler_steps steps
+            self._ms_left = self._ms_left - 1 if self._ms_left else (steps_per_decision - 1 if not pre else 0)
+        if out.recomputed_tokens:
+            self._recompute_s += dt * out.recomputed_tokens / out.num_tokens
+            for r_id, k in out.recomputed.items():  # the scheduler keeps the high-water marks
+                records[r_id].recomputed_tokens += k  # type: ignore[index]
+        start = now
+        if link.mode == "blocking" and link.busy():
+            start = link.idle_at()  # the compute stream waits for every copy issued before it
+        end = start + dt
+        if self._carry:
+            end = link.layerwise_end(self._carry, start, dt, self.setup.model.num_layers)
+            self._carry = []
+        if end - now > dt:
+            self._stall_s += end - now - dt
+        self._advance(end, before=True, stepping=True)
+        self._busy.append((start, end))
+        self._n_steps += 1
+        self._tokens_computed += out.num_tokens
+        if self.steps is not None:
+            self.steps.append(
+                Step(self._n_steps, now, start, end, dt, len(out.scheduled), out.num_tokens,
+                     len(out.preempted), len(out.resumed))
+            )  # fmt: skip
+        for rec in firsts:
+            if rec.first_token < 0:
+                rec.first_token = end
+        for rid in sampled:  # every token sampled in this step reaches the client at its end
+            records[rid].token_times.append(end)  # type: ignore[index]
+        for req in self.scheduler.update(out, sampled):
+            rec = records[req.request_id]  # type: ignore[index]
+            rec.finish = end
+            rec.output_tokens = req.num_output_tokens
+            loop.log("finish", req.request_id)
+            if self.client is not None:
+                self.client.finished(rec.rid, end)
+        self._finished = len(records) - self.scheduler.num_unfinished
+        if end >= self._next_usage:
+            self._sample_usage(end)
+
+    def _sample_usage(self, t: float) -> None:
+        """Keep the memory usage at ``t``: about :attr:`usage_points` samples over the run."""
+        m = self.scheduler.tm.metrics()
+        # held: pinned by a swapped request or a load, or being written (cannot be evicted);
+        # fill: every block the CPU tier caches, held or evictable.  Both are fractions of the tier.
+        cpu_held = m.cpu_pinned_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
+        fill = m.cpu_cached_blocks / m.cpu_blocks if m.cpu_blocks else 0.0
+        self._usage.append((t, m.gpu_usage, cpu_held, fill))
+        self._next_usage = t + self._usage_dt
+        # a long tail: keep every other sample, sample half as often
+        if len(self._usage) >= 2 * self.usage_points:
+            self._usage = self._usage[::2]
+            self._usage_dt *= 2
+
+    def _decide_again(self, out: SchedulerOutput, early: list[CopyJob]) -> bool:
+        """Nothing was computed: True if the next decision is now; else move the clock to the next event.
+
+        Raises:
+            SimulationError: nothing runs and nothing is left to wait for.
+        """
+        if self._held:  # nothing runs: the multi-step run is over, and the next decision is now
+            self._ms_left = 0
+            return True
+        if self._deferred:  # nothing ran: the step they waited for was empty, so they are decided on now
+            for r in self._deferred:
+                self._enter(r, self.loop.now)
+            self._deferred.clear()
+            return True
+        if early:
+            return True  # a layerwise copy was ordered: its request can run in the next step, now
+        loop, sched = self.loop, self.scheduler
+        nt = loop.peek_time()
+        if nt is None and (out.resumed or out.admitted):
+            # A request came back (or in) after this step's batch was picked, its KV on the GPU
+            # already: with nothing else to wait for, it runs in the next step, now.
+            return True
+        if nt is None:
+            raise SimulationError(
+                f"run {self.setup.name!r}: no progress at t={loop.now:.3f}s with {sched.num_unfinished} "
+                f"requests unfinished ({len(sched.waiting)} waiting, {len(sched.running)} running, "
+                f"{len(sched.swapped)} swapped) and nothing left to wait for"
+            )
+        self._advance(max(loop.now, nt))
+        return False
 
     def _log_batch(self, out: SchedulerOutput) -> None:
         for rid, mode in out.preempted:
@@ -447,15 +447,7 @@ class Simulator:
             self.loop.log("step", tuple((req.request_id, n) for req, n in out.scheduled))
 
     # About 70 lines: one flat results document, field by field; split, it would only scatter the fields.
-    def _results(
-        self,
-        busy: list[tuple[float, float]],
-        usage: list[tuple[float, float, float, float]],
-        steps: int,
-        tokens_computed: int,
-        recompute_s: float,
-        stall_s: float,
-    ) -> dict[str, Any]:
+    def _results(self) -> dict[str, Any]:
         recs = list(self.records.values())
         makespan = max((r.finish for r in recs), default=0.0)
         ttft = [r.first_token - r.arrival for r in recs]
@@ -473,20 +465,21 @@ class Simulator:
         c = m.counters
         intervals = self.engine.intervals
         transfer_s = sum(e - s for s, e, _, _ in intervals)
-        hidden = overlap_seconds([(s, e) for s, e, _, _ in intervals], busy)
+        hidden = overlap_seconds([(s, e) for s, e, _, _ in intervals], self._busy)
+        usage = self._usage
         stride = max(1, len(usage) // self.usage_points)
         # Untyped: each field is copied as the set-up holds it (compiled, a typed read would turn
         # a whole number of GiB given as an int into a float, and the document would change).
         st: Any = self.setup
         return {
             "run": st.name,
-            "victim_policy": st.victim_policy,
-            "mode": st.mode,
-            "offload": st.offload,
+            "victim_policy": st.scheduler.victim_policy,
+            "mode": st.scheduler.mode,
+            "offload": st.manager.offload,
             "copies": st.copies,
             "kv_layout": st.kv_layout,
-            "gpu_blocks": st.num_gpu_blocks,
-            "cpu_blocks": st.num_cpu_blocks,
+            "gpu_blocks": st.manager.num_gpu_blocks,
+            "cpu_blocks": st.manager.num_cpu_blocks,
             "gpu_kv_gib": st.gpu_kv_gib,
             "cpu_kv_gib": st.cpu_kv_gib,
             "requests": len(recs),
@@ -494,8 +487,8 @@ class Simulator:
             "output_tokens": n_out,
             "requested_output_tokens": requested,
             "makespan_s": makespan,
-            "steps": steps,
-            "tokens_computed": tokens_computed,
+            "steps": self._n_steps,
+            "tokens_computed": self._tokens_computed,
             "throughput_rps": len(recs) / makespan if makespan else 0.0,
             "throughput_output_tps": n_out / makespan if makespan else 0.0,
             "ttft_s": percentiles(ttft),
@@ -519,7 +512,7 @@ class Simulator:
             "gb_onboarded": c.onboard_bytes / GB,
             "copies_issued": self.engine.copies_issued,
             "tokens_recomputed": self.scheduler.tokens_recomputed,
-            "recompute_s": recompute_s,
+            "recompute_s": self._recompute_s,
             "gpu_prefix_hit_rate": m.gpu_hit_rate,
             "cpu_prefix_hit_rate": m.cpu_hit_rate,
             # Tokens looked up and found at admission, kept apart as vLLM does: a request's first
@@ -536,7 +529,7 @@ class Simulator:
             "transfer_s": transfer_s,
             "transfer_hidden_s": hidden,
             "transfer_exposed_s": transfer_s - hidden,
-            "stall_s": stall_s,
+            "stall_s": self._stall_s,
             "plans_failed": c.plans_failed,
             "blocks_held_at_end": {
                 "gpu": m.gpu_blocks - m.gpu_free_blocks,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiered_kv.sim.run_tables import Column, Group, Row, Table, rows
+from tiered_kv.sim.run_tables import Column, Group, RunRow, Table, rows
 
 
 def has_tiers(runs: list[dict[str, Any]]) -> bool:
@@ -66,5 +66,5 @@ def tier_table(runs: list[dict[str, Any]], legend: bool = True) -> str:
     out = []
     for row in rows(runs):
         for name, counters in (row.run.get("lower_tiers") or {}).items():
-            out.append(Row(row.run, row.number, row.ref, row.ref_number, (name, counters)))
+            out.append(RunRow(row.run, row.number, row.ref, row.ref_number, (name, counters)))
     return TIERS.render(out, legend)

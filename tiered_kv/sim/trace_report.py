@@ -38,11 +38,11 @@ def capacity_curve(workload: list[SimRequest]) -> dict[str, float]:
 
 def cache_tokens(st: RunSetup) -> dict[str, int]:
     """A run's tiers' capacities in tokens, cumulative from the GPU down (``GPU``, ``+CPU``, ``+disk`` ...)."""
-    bs = st.block_size
-    out = {"GPU": st.num_gpu_blocks * bs}
+    bs = st.manager.block_size
+    out = {"GPU": st.manager.num_gpu_blocks * bs}
     total = out["GPU"]
-    if st.num_cpu_blocks:
-        total += st.num_cpu_blocks * bs
+    if st.manager.num_cpu_blocks:
+        total += st.manager.num_cpu_blocks * bs
         out["+CPU"] = total
     for t in st.tiers.tiers:
         total += t.num_blocks * bs

@@ -29,7 +29,7 @@ SHORT = {"ttft_mean_ms": "TTFT", "itl_mean_ms": "ITL", "e2e_mean_ms": "E2E"}
 
 
 @dataclass(frozen=True)
-class Row:
+class MetricRow:
     """One measured mean and its prediction."""
 
     set_name: str
@@ -72,14 +72,14 @@ def simulate_run(
     return predicted_metrics(run, list(sim.records.values()), stages_of(cfg["workload"])), sim
 
 
-def rows_of(run: MeasuredRun, predicted: dict[str, dict[str, float]]) -> list[Row]:
+def rows_of(run: MeasuredRun, predicted: dict[str, dict[str, float]]) -> list[MetricRow]:
     out = []
     for stage in run.stages:
         if stage not in predicted:
             continue
         for metric in METRICS:
             measured = float(run.raw["measured"][stage][metric])
-            out.append(Row(run.set_name, run.id, stage, metric, measured, predicted[stage][metric], run.fit))
+            out.append(MetricRow(run.set_name, run.id, stage, metric, measured, predicted[stage][metric], run.fit))
     return out
 
 
@@ -91,7 +91,7 @@ def validate_set(
     stage_scale: float = 1.0,
     skipped: list[tuple[str, str]] | None = None,
     uncalibrated: list[tuple[str, str]] | None = None,
-) -> list[Row]:
+) -> list[MetricRow]:
     """Simulate every run of ``rs`` (at full length, unless ``stage_scale``); its rows, run by run.
 
     ``hardware``: a profile to simulate every run on instead of each run's own.  A run the
@@ -100,7 +100,7 @@ def validate_set(
     without, the error is raised.  ``uncalibrated``: ``(run id, why)`` is appended to it for each run
     whose GPU profile has no step model of the set's engine era (it ran with the uncalibrated default).
     """
-    out: list[Row] = []
+    out: list[MetricRow] = []
     for run in rs.runs:
         try:
             predicted, sim = simulate_run(run, rs.engine, overrides, stage_scale, hardware)
@@ -135,12 +135,12 @@ class Summary:
         )
 
 
-def summarise(rows: list[Row], label: str) -> Summary:
+def summarise(rows: list[MetricRow], label: str) -> Summary:
     errs = [r.error for r in rows]
     return Summary(label, len(rows), statistics.median(errs) if errs else float("nan"), sum(r.ok for r in rows))
 
 
-def summaries(rows: list[Row]) -> list[Summary]:
+def summaries(rows: list[MetricRow]) -> list[Summary]:
     """Per stage and whole-run means, over fit, check and all runs (module docstring)."""
     out = []
     for kind, pick in (("stages", lambda r: r.stage != "summary"), ("whole runs", lambda r: r.stage == "summary")):
@@ -156,7 +156,7 @@ def summaries(rows: list[Row]) -> list[Summary]:
 
 def table(
     rs: RunSet,
-    rows: list[Row],
+    rows: list[MetricRow],
     skipped: list[tuple[str, str]] | None = None,
     uncalibrated: list[tuple[str, str]] | None = None,
 ) -> str:
@@ -190,7 +190,7 @@ def table(
     return "\n".join(lines)
 
 
-def row_dicts(rows: list[Row]) -> list[dict[str, Any]]:
+def row_dicts(rows: list[MetricRow]) -> list[dict[str, Any]]:
     return [
         {
             "set": r.set_name,
@@ -207,7 +207,7 @@ def row_dicts(rows: list[Row]) -> list[dict[str, Any]]:
     ]
 
 
-def summary_dicts(rows: list[Row]) -> list[dict[str, Any]]:
+def summary_dicts(rows: list[MetricRow]) -> list[dict[str, Any]]:
     return [
         {"label": s.label, "n": s.n, "median_abs_error": s.median_abs_error, "within_15pct": s.within}
         for s in summaries(rows)

@@ -22,6 +22,7 @@ one is built.
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 _WHERE = {
@@ -37,9 +38,9 @@ _WHERE = {
     "TierChain": "chain",
     "TierPolicy": "chain",
     "DiskIO": "disk_io",
-    "DiskTier": "kinds.disk",
+    "DiskTierConfig": "kinds.disk",
     "LowerTier": "lower_tier",
-    "RedisTier": "kinds.redis",
+    "RedisTierConfig": "kinds.redis",
     "TierConfig": "tier_kind",
     "TierLink": "link",
     "WRITE_POLICIES": "write_policy",
@@ -63,10 +64,23 @@ _WHERE = {
     "TierStack": "stack",
 }
 
+# Old names of the tier kinds' configs, kept working with a warning: the vLLM plug-in's secondary
+# tiers (tiered_kv.integrations.vllm) are the package's DiskTier and RedisTier.
+_RENAMED = {"DiskTier": "DiskTierConfig", "RedisTier": "RedisTierConfig"}
+
 __all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(
+            f"tiered_kv.tiers.{name} is now tiered_kv.tiers.{new} (a tier kind's configuration); "
+            f"tiered_kv.integrations.vllm.{name} is vLLM's secondary tier",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        name = new
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module 'tiered_kv.tiers' has no attribute {name!r}")

@@ -1,6 +1,12 @@
-"""A copy engine whose completions the caller controls, for tests and the simulator.
+"""A copy engine whose completions the caller controls: public, for users who test their loop.
 
-Nothing completes by itself: the test completes, fails, cancels or reorders
+It is the package's only test double, kept in the package because a user needs it: code
+built on :class:`~tiered_kv.manager.TierManager` that must be tested against faults (a copy
+that fails, is cancelled, or lands out of order) or must repeat a run exactly needs an engine
+that finishes nothing by itself (``docs/library.md``).  The simulator does not use it: its copy
+engine is ``tiered_kv.sim.link.SimLink``, timed by a link model.
+
+Nothing completes by itself: the caller completes, fails, cancels or reorders
 plans explicitly.  An optional ``on_complete`` callback performs the actual
 copy at completion time (tests use it to move real bytes), so fault tests can
 check that a failed plan never touched its destination.

@@ -20,7 +20,7 @@ from typing import Any
 
 _WHERE = {
     "TieredKVHiCacheStorage": "tiered_kv.integrations.sglang.backend",
-    "BackendConfig": "tiered_kv.integrations.sglang.config",
+    "BackendConfig": "tiered_kv.integrations.sglang.backend_config",
 }
 
 __all__ = sorted(_WHERE)

@@ -37,7 +37,7 @@ from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError, TieredKVError
 from tiered_kv.integrations.page_store import ChainedPageStore, PageStore, open_page_store
 from tiered_kv.integrations.sglang._sglang import HiCacheStorage, HiCacheStorageExtraInfo
-from tiered_kv.integrations.sglang.config import BackendConfig
+from tiered_kv.integrations.sglang.backend_config import BackendConfig
 
 logger = logging.getLogger(__name__)
 

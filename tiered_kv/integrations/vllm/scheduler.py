@@ -61,8 +61,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.integrations.vllm.config import PreemptionConfig, preemption_config
 from tiered_kv.integrations.vllm.connector import TieredKVConnector, TieredKVConnectorScheduler, swap_supported
+from tiered_kv.integrations.vllm.extra_config import PreemptionConfig, preemption_config
 from tiered_kv.integrations.vllm.preemption_stats import PreemptionCounters
 from tiered_kv.manager.bounded_log import BoundedLog
 from tiered_kv.manager.pricing import Quote, price

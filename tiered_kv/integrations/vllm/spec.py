@@ -21,7 +21,7 @@ Extra keys (besides vLLM's ``cpu_bytes_to_use``, ``eviction_policy``,
   (``{"bytes_per_s": ..., "block_latency_s": ...}``: a medium the chunk crosses
   before its GPU copy, as tiered_kv's own tiers price theirs).
 * ``preemption``: how tiered_kv's scheduler class preempts
-  (:func:`~tiered_kv.integrations.vllm.config.preemption_config`); checked
+  (:func:`~tiered_kv.integrations.vllm.extra_config.preemption_config`); checked
   here too, so a bad one fails when vLLM builds the spec.
 
 Any other top-level key is refused, with the known ones (vLLM's included):
@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.base import OffloadingManager, OffloadingMetricMetadata
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.integrations.vllm.config import TIERED_KV_KEYS, VLLM_OFFLOADING_KEYS, check_keys, preemption_config
+from tiered_kv.integrations.vllm.extra_config import TIERED_KV_KEYS, VLLM_OFFLOADING_KEYS, check_keys, preemption_config
 from tiered_kv.integrations.vllm.manager import LoadPricing, TieredKVOffloadingManager
 from tiered_kv.integrations.vllm.preemption_stats import METRICS
 from tiered_kv.manager.cost_model import CostModel

@@ -45,7 +45,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from tiered_kv.errors import ConfigError, TieredKVError
 from tiered_kv.integrations.vllm._vllm import VLLM_VERSION
-from tiered_kv.integrations.vllm.config import VLLM_TIERING_KEYS, check_keys
+from tiered_kv.integrations.vllm.extra_config import VLLM_TIERING_KEYS, check_keys
 from tiered_kv.tiers.chunk_buffer import ChunkBuffer
 from tiered_kv.tiers.io_engine import BlockIOEngine
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 @register_tier_kind
 @dataclass(frozen=True, slots=True, kw_only=True)
-class DiskTier(TierConfig):
+class DiskTierConfig(TierConfig):
     """A disk tier in ``path``, using at most ``capacity_bytes``.
 
     Attributes:
@@ -42,11 +42,11 @@ class DiskTier(TierConfig):
 
     def __post_init__(self) -> None:
         TierConfig.__post_init__(self)
-        checks.instance("DiskTier.path", self.path, (str, os.PathLike))
-        checks.count("DiskTier.capacity_bytes", self.capacity_bytes, 1)
+        checks.instance("DiskTierConfig.path", self.path, (str, os.PathLike))
+        checks.count("DiskTierConfig.capacity_bytes", self.capacity_bytes, 1)
         from tiered_kv.tiers.disk_io import FSYNC_POLICIES  # its module needs torch: configs alone do not
 
-        checks.choice("DiskTier.fsync", self.fsync, FSYNC_POLICIES)
+        checks.choice("DiskTierConfig.fsync", self.fsync, FSYNC_POLICIES)
 
     def build(self, namespace: KVNamespace, cpu_storage: KVStorage) -> tuple[BlockStore, Any]:
         from tiered_kv.tiers.disk_io import DiskIO

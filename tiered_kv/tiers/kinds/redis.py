@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 @register_tier_kind
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class RedisTier(TierConfig):
+class RedisTierConfig(TierConfig):
     """A remote tier on a Redis server.
 
     Attributes:
