@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import hashlib
 
 from simutil import config
@@ -52,26 +51,3 @@ def test_runs_sharing_one_workload_decide_as_runs_on_their_own_copies():
         assert _snapshot(shared) == before  # read only: the next run sees the workload the first one saw
         assert on_shared == _run(cfg, i, generate(cfg["workload"], cfg["seed"]))
     assert before == _snapshot(generate(cfg["workload"], cfg["seed"]))
-
-
-def test_a_run_freezes_the_collector_only_for_its_length():
-    cfg = _cfg()
-    workload = generate(cfg["workload"], cfg["seed"])
-    assert gc.get_freeze_count() == 0 and gc.isenabled()
-    seen: list[int] = []
-    sim = Simulator(setup(cfg, 1), workload, progress=lambda done, total, t: seen.append(gc.get_freeze_count()))
-    sim.run()
-    assert seen and min(seen) > 0  # frozen while it ran
-    assert gc.get_freeze_count() == 0 and gc.isenabled()  # and released after
-
-
-def test_a_run_keeps_the_callers_own_freeze():
-    cfg = _cfg()
-    workload = generate(cfg["workload"], cfg["seed"])
-    gc.freeze()
-    try:
-        frozen = gc.get_freeze_count()
-        Simulator(setup(cfg, 0), workload).run()
-        assert gc.get_freeze_count() >= frozen  # the caller's frozen objects stay frozen
-    finally:
-        gc.unfreeze()

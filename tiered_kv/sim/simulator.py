@@ -12,7 +12,6 @@ identical seed and config give identical output.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -168,22 +167,8 @@ class Simulator:
             rec.onboard_bytes += job.nbytes
 
     def run(self) -> dict[str, Any]:
-        """Simulate the workload to its end; return the results document.
-
-        The objects built before the run (the pools' blocks, the workload, the
-        configs: most of the heap) never become garbage during it, so the
-        cyclic collector is told to leave them alone (``gc.freeze``) for the
-        run's length: each full collection otherwise walks all of them again.
-        Nothing observable changes: no finalizer runs on the simulated path,
-        and what the run leaves behind is collected as usual afterwards.
-        """
-        frozen_before = gc.get_freeze_count()  # a caller that froze the heap itself keeps it frozen
-        gc.freeze()
-        try:
-            return self._run()
-        finally:
-            if not frozen_before:
-                gc.unfreeze()
+        """Simulate the workload to its end; return the results document."""
+        return self._run()
 
     def _run(self) -> dict[str, Any]:
         """The event loop: decide a step, compute it, handle what happened meanwhile; until every request is done.
