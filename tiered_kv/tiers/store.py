@@ -193,6 +193,10 @@ class RequestContext:
         checks.count("step", step, 1)
         keys = check_keys("keys", keys)
         positions = self._positions
+        if positions.keys().isdisjoint(keys):
+            # None set yet (every admission's call): nothing to check, one C-level test instead of a lookup per key.
+            positions.update(zip(keys, range(first_end, first_end + len(keys) * step, step), strict=True))
+            return
         for i, key in enumerate(keys):
             end = first_end + i * step
             old = positions.get(key)
