@@ -13,7 +13,13 @@ Three sections, each measured in this run:
 * **managers**: our ``KVCacheManager``, the same with the pool's events on and
   drained (what counting evictions from events costs), and a plain list
   allocator (no prefix caching) serving the trace end to end;
-* **hashing**: the incremental hasher over every block of the trace.
+* **hashing**: the incremental hasher over every block of the trace;
+* **pool + hashing** (``--hashing``): each side hashes every request's tokens into
+  block hashes with its own hasher (ours: ``BlockHasher`` with ``"sha256"``; vLLM
+  0.33.0's ``get_request_block_hasher`` with its default ``sha256``, pickle then
+  SHA-256), then replays the pool calls; vLLM's replay uses vLLM's hashes.  The
+  two hash sets must correspond one to one (checked), so both pools make the same
+  decisions (checked, as above).
 
 ``--queues`` adds a free-queue micro-benchmark: our deque against vLLM's
 ``FreeKVCacheBlockQueue``.  The numbers say whether ``tiered_kv.core`` ran
@@ -23,7 +29,7 @@ cache, no network) the vLLM columns are left out and the script says why.
 ``--clock cpu`` times the pool-call replays in this process's CPU seconds
 (``time.process_time``) instead of the wall clock, for a loaded shared machine.
 
-Usage: python benchmarks/bench_block_pool.py [--requests N] [--json PATH] [--queues] [--clock wall|cpu]
+Usage: python benchmarks/bench_block_pool.py [--requests N] [--json PATH] [--queues] [--hashing] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import _pool_log as pl
 from _trace import BLOCK_SIZE, TraceRequest, drive, make_trace, precompute_hashes
 
 import tiered_kv.core
-from tiered_kv.core import BlockRemoved, FreeBlockQueue, KVCacheBlock, KVCacheManager, Request
+from tiered_kv.core import BlockHasher, BlockRemoved, FreeBlockQueue, KVCacheBlock, KVCacheManager, Request
 
 
 class SeedListAllocator:
@@ -200,6 +206,126 @@ def print_pool_calls(log: pl.PoolLog, res: dict, refs: list[str]) -> dict:
     return out
 
 
+class _VllmHashedRequest:
+    """What vLLM 0.33's ``request_block_hasher`` reads of a request (no LoRA, media, salt or embeddings)."""
+
+    __slots__ = ("all_token_ids", "block_hashes")
+    mm_features: tuple = ()  # falsy, as an empty list: what vLLM tests
+    lora_request = None
+    cache_salt = None
+    prompt_embeds = None
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.all_token_ids = list(prompt)
+        self.block_hashes: list = []
+
+    @property
+    def num_tokens(self) -> int:  # vLLM's Request.num_tokens
+        return len(self.all_token_ids)
+
+
+def _hash_in_steps(trace: list[TraceRequest], reqs: list, update) -> None:
+    """Each request's prompt hashed in one call, then one call per output block completed (the timed part).
+
+    ``update(req)`` extends ``req.block_hashes``; the same calls on both sides.
+    """
+    bs = BLOCK_SIZE
+    for tr, req in zip(trace, reqs, strict=True):
+        update(req)
+        tokens = req.all_token_ids
+        out = tr.output
+        pos = 0
+        need = bs - len(tokens) % bs  # output tokens until the next block is full
+        while pos + need <= len(out):
+            tokens.extend(out[pos : pos + need])
+            pos += need
+            update(req)
+            need = bs
+        tokens.extend(out[pos:])
+
+
+def _hashers(trace: list[TraceRequest]) -> dict:
+    """Per side: (fresh requests, update function), both built outside the timing."""
+    import vllm_ref_core
+
+    ref = vllm_ref_core.load()  # initialises vLLM's NONE_HASH with its sha256, as its engine does
+    vllm_hasher = ref.kv_cache_utils.get_request_block_hasher(BLOCK_SIZE, ref.hashing.sha256)
+
+    def vllm_update(req: _VllmHashedRequest) -> None:  # vLLM's Request.update_block_hashes
+        req.block_hashes.extend(vllm_hasher(req))
+
+    ours_update = BlockHasher.create(BLOCK_SIZE, "sha256").update
+    return {
+        "ours": (lambda: [Request(tr.rid, tr.prompt) for tr in trace], ours_update),
+        "vllm": (lambda: [_VllmHashedRequest(tr.prompt) for tr in trace], vllm_update),
+    }
+
+
+def _translate(log: pl.PoolLog, to_vllm: dict) -> pl.PoolLog:
+    """``log`` with every block hash replaced by vLLM's hash of the same block (shared lists stay shared)."""
+    lists: dict[int, list] = {}
+    calls: list[tuple] = []
+    for c in log.calls:
+        if c[0] == "lookup":
+            calls.append(("lookup", [to_vllm[h] for h in c[1]], c[2]))
+        elif c[0] == "cache":
+            hashes = lists.get(id(c[1]))
+            if hashes is None:
+                hashes = lists[id(c[1])] = [to_vllm[h] for h in c[1]]
+            calls.append(("cache", hashes, *c[2:]))
+        else:
+            calls.append(c)
+    return pl.PoolLog(log.num_blocks, log.block_size, calls, log.evicted)
+
+
+def bench_pool_and_hashing(
+    trace: list[TraceRequest], log: pl.PoolLog, ours_hashes: dict, targets: list[pl.Target], repeats: int
+) -> dict:
+    """Hashing plus pool calls per side, best of ``repeats`` (interleaved), after checking both.
+
+    Checks: our step-wise hashes equal the ones the log was recorded with; our and
+    vLLM's hashes correspond one to one; both pools replay their logs with the
+    logged ids and hits and end in the same state.
+    """
+    sides = _hashers(trace)
+    got = {}
+    for side, (make, update) in sides.items():
+        reqs = make()
+        _hash_in_steps(trace, reqs, update)
+        got[side] = [r.block_hashes for r in reqs]
+    if [ours_hashes[tr.rid] for tr in trace] != got["ours"]:
+        raise AssertionError("step-wise hashes differ from the hashes the pool log was recorded with")
+    to_vllm: dict = {}
+    back: dict = {}
+    for a_list, b_list in zip(got["ours"], got["vllm"], strict=True):
+        if len(a_list) != len(b_list):
+            raise AssertionError("the two hashers hashed different numbers of blocks")
+        for a, b in zip(a_list, b_list, strict=True):
+            if to_vllm.setdefault(a, b) != b or back.setdefault(b, a) != a:
+                raise AssertionError("our hashes and vLLM's do not correspond one to one")
+    logs = {targets[0].name: log, targets[1].name: _translate(log, to_vllm)}
+    update_of = {targets[0].name: sides["ours"], targets[1].name: sides["vllm"]}
+    final = None
+    for t in targets:
+        _, pool = pl.run(t, logs[t.name], check=True)
+        state = (t.free_ids(pool), t.cached_ids(pool))
+        if final is not None and state != final:
+            raise AssertionError(f"{t.name} ends with a different free queue or cached set")
+        final = state
+    best = {t.name: (float("inf"), 0.0, 0.0) for t in targets}
+    for _ in range(repeats):
+        for t in targets:  # interleaved, as the pool-call section
+            make, update = update_of[t.name]
+            reqs = make()
+            t0 = pl.clock()
+            _hash_in_steps(trace, reqs, update)
+            t_hash = pl.clock() - t0
+            t_pool = pl.run(t, logs[t.name])[0]
+            if t_hash + t_pool < best[t.name][0]:
+                best[t.name] = (t_hash + t_pool, t_hash, t_pool)
+    return {"blocks": len(to_vllm), "best": best}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=20000)
@@ -209,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool-only", action="store_true", help="only the pool-call section")
     ap.add_argument("--queues", action="store_true", help="also compare free-queue representations")
+    ap.add_argument(
+        "--hashing",
+        action="store_true",
+        help="also pool + hashing against vLLM's hasher and pool",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument(
         "--clock", choices=["wall", "cpu"], default="wall", help="pool-call replays: wall clock or process CPU time"
@@ -250,6 +381,29 @@ def main(argv: list[str] | None = None) -> int:
     check_targets(targets, log)
     res = bench_pool_calls(log, targets, args.repeats)
     results["pool_calls"] = print_pool_calls(log, res, [t.name for t in targets[1:]])
+
+    if args.hashing and real is None:
+        print("\npool + hashing: left out (needs vLLM's source, above)")
+    elif args.hashing:
+        both = bench_pool_and_hashing(trace, log, hashes["sha256"], targets, args.repeats)
+        print(
+            f"\npool + hashing: prompt hashed in one call, then one call per output block; "
+            f"{both['blocks']} distinct blocks, hashes one to one, same decisions: True"
+        )
+        print(f"{'hasher + pool':40} {'total s':>8} {'hashing s':>10} {'pool s':>8}")
+        names = {
+            targets[0].name: "tiered_kv BlockHasher sha256 + BlockPool",
+            targets[1].name: "vLLM sha256 hasher + BlockPool",
+        }
+        for name, (tot, t_hash, t_pool) in both["best"].items():
+            print(f"{names[name]:40} {tot:8.3f} {t_hash:10.3f} {t_pool:8.3f}")
+        ratio = both["best"][targets[1].name][0] / both["best"][targets[0].name][0]
+        print(f"pool + hashing speed ratio tiered_kv / {targets[1].name} + hashing: {ratio:.2f}x")
+        results["pool_and_hashing"] = {
+            "blocks": both["blocks"],
+            **{n: dict(zip(("seconds", "hashing_s", "pool_s"), v, strict=True)) for n, v in both["best"].items()},
+            "ratio": ratio,
+        }
 
     if not args.pool_only:
         impls = {
