@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +88,6 @@ def make_stream(diff: Any, n: int, seed: int, setup: Any) -> list[Any]:
 
 
 @dataclass
-class Decisions:
-    """What one replay decided, step by step (compared across schedulers and repeats)."""
-
-    batches: list[list[tuple[str, int]]] = field(default_factory=list)
-    preempted: list[set[str]] = field(default_factory=list)
-    finished: list[set[str]] = field(default_factory=list)
-
-
-@dataclass
 class Timing:
     """Nanoseconds spent in each scheduler's calls over one replay."""
 
@@ -114,12 +105,12 @@ class Mismatch(Exception):
 
 
 def timed_replay(diff: Any, setup: Any, stream: list[Any], clock: Callable[[], int], max_steps: int) -> tuple:
-    """One lockstep replay of ``stream``; returns (Decisions, Timing). Raises Mismatch on the first difference."""
+    """One lockstep replay of ``stream``: (the differential test's Trace, Timing); Mismatch at the first difference."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     v, s = diff.build_vllm(setup), diff.build_ours(setup)
     pending = sorted(stream, key=lambda a: (a.step, a.rid))
-    dec, tim = Decisions(), Timing()
+    dec, tim = diff.Trace(), Timing()
     gc.collect()
     for step in range(max_steps):
         while pending and pending[0].step <= step:
@@ -205,7 +196,7 @@ def timed_replay(diff: Any, setup: Any, stream: list[Any], clock: Callable[[], i
     raise Mismatch(f"not finished after {max_steps} steps")
 
 
-def compare(checked: Any, dec: Decisions) -> None:
+def compare(checked: Any, dec: Any) -> None:
     """Raise Mismatch at the first step where a timed replay decided otherwise than the checked one."""
     for what in ("batches", "preempted", "finished"):
         ref, got = getattr(checked, what), getattr(dec, what)

@@ -38,8 +38,8 @@ def test_lockstep_replay(benchmark, replay):
 
 
 def test_a_differing_decision_is_reported_with_its_step(replay):
-    _, _, _, checked = replay
-    dec = bsch.Decisions(list(checked.batches), list(checked.preempted), list(checked.finished))
+    diff, _, _, checked = replay
+    dec = diff.Trace(list(checked.batches), list(checked.preempted), list(checked.finished))
     rid, n = dec.batches[3][0]
     dec.batches[3] = [(rid, n + 1), *dec.batches[3][1:]]
     with pytest.raises(bsch.Mismatch, match=r"^step 3: batches differ"):

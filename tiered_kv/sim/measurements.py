@@ -128,6 +128,21 @@ def is_bench_result(raw: Any) -> bool:
     return isinstance(raw, dict) and "mean_ttft_ms" in raw and "request_rate" in raw
 
 
+def _run_header(name: str, model: str, settings: Settings) -> dict[str, Any]:
+    """A measured run's identity and server settings, vLLM's defaults where the measurement does not say."""
+    return {
+        "id": name,
+        "model": model,
+        "hw": settings.hw or "unknown",
+        "tp": settings.tp or 1,
+        "cpu_offload": False,
+        "gpu_memory_utilization": settings.gpu_memory_utilization or 0.9,
+        "max_num_batched_tokens": settings.max_num_batched_tokens or 8192,
+        "max_num_seqs": settings.max_num_seqs or 256,
+        "vllm_kv_blocks": {"gpu_blocks": settings.gpu_blocks} if settings.gpu_blocks else None,
+    }
+
+
 def bench_run(raw: dict[str, Any], name: str, settings: Settings) -> dict[str, Any]:
     """A measured run (the run-set format) from a ``vllm bench serve --save-result`` JSON."""
     rate = raw["request_rate"]
@@ -160,15 +175,7 @@ def bench_run(raw: dict[str, Any], name: str, settings: Settings) -> dict[str, A
     if not isinstance(model, str):
         raise ConfigError(f"{name}.model_id: no model named (give --model)")
     return {
-        "id": name,
-        "model": model,
-        "hw": settings.hw or "unknown",
-        "tp": settings.tp or 1,
-        "cpu_offload": False,
-        "gpu_memory_utilization": settings.gpu_memory_utilization or 0.9,
-        "max_num_batched_tokens": settings.max_num_batched_tokens or 8192,
-        "max_num_seqs": settings.max_num_seqs or 256,
-        "vllm_kv_blocks": {"gpu_blocks": settings.gpu_blocks} if settings.gpu_blocks else None,
+        **_run_header(name, model, settings),
         "sim_workload": {
             "num_requests": n,
             "arrival": arrival,
@@ -254,15 +261,7 @@ def inference_perf_run(directory: Path, settings: Settings) -> dict[str, Any]:
     if not isinstance(model, str):
         raise ConfigError(f"calibrate: '{directory}': no model named (give --model)")
     return {
-        "id": directory.name,
-        "model": model,
-        "hw": settings.hw or "unknown",
-        "tp": settings.tp or 1,
-        "cpu_offload": False,
-        "gpu_memory_utilization": settings.gpu_memory_utilization or 0.9,
-        "max_num_batched_tokens": settings.max_num_batched_tokens or 8192,
-        "max_num_seqs": settings.max_num_seqs or 256,
-        "vllm_kv_blocks": {"gpu_blocks": settings.gpu_blocks} if settings.gpu_blocks else None,
+        **_run_header(directory.name, model, settings),
         "workload": workload,
         "measured": measured,
     }
