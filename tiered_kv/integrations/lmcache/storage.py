@@ -15,7 +15,10 @@ LMCache's contract, as its own backends keep it, and how this class keeps it:
 * ``batched_submit_put_task`` returns at once; the writes run on this plug-in's put
   workers, and ``exists_in_put_tasks(key)`` is true from the submit until that key's
   write has ended (stored or failed).  The objects are held (``ref_count_up``) until then,
-  because LMCache drops its own reference as soon as the submit returns.
+  because LMCache drops its own reference as soon as the submit returns.  Each object's
+  bytes are framed into this plug-in's own page during the submit, on the caller's
+  thread: a worker never reads LMCache's memory, which LMCache's ``StorageManager.close``
+  frees (it closes the local CPU backend before this one) while writes may still run.
 * ``get_blocking`` returns a new object from LMCache's local CPU backend (this plug-in's
   allocator backend) holding exactly the stored bytes, or ``None``.
 * ``contains(key, pin=True)`` and ``pin`` hold a key for a coming retrieve; ``unpin``
@@ -227,7 +230,7 @@ class TieredKVStorage(StoragePluginInterface):
             raise InvalidArgumentError(
                 f"on_complete_callback must be callable, got {checks.describe(on_complete_callback)}"
             )
-        jobs: list[tuple[CacheEngineKey, str, MemoryObj, ObjectLayout]] = []
+        jobs: list[tuple[CacheEngineKey, str, MemoryObj, torch.Tensor]] = []
         refused = 0
         with self._lock:
             if self._closed:
@@ -240,7 +243,7 @@ class TieredKVStorage(StoragePluginInterface):
                 if layout is None:
                     refused += 1
                     continue
-                jobs.append((key, name, obj, layout))
+                jobs.append((key, name, obj, self._frame(obj, layout)))
             self._stats.refused += refused
             for _, name, obj, _ in jobs:
                 self._in_flight[name] = 1
@@ -255,10 +258,10 @@ class TieredKVStorage(StoragePluginInterface):
 
     def _write(
         self,
-        jobs: list[tuple[CacheEngineKey, str, MemoryObj, ObjectLayout]],
+        jobs: list[tuple[CacheEngineKey, str, MemoryObj, torch.Tensor]],
         on_complete: Callable[[CacheEngineKey], None] | None,
     ) -> list[bool]:
-        """One put worker's batch: frame each object into a page, store the pages, release the objects."""
+        """One put worker's batch: store the framed pages, release the objects."""
         stored = [False] * len(jobs)
         try:
             names = [j[1] for j in jobs]
@@ -267,7 +270,7 @@ class TieredKVStorage(StoragePluginInterface):
             for i, h in enumerate(held):
                 stored[i] = h
             if todo:
-                pages = [self._frame(jobs[i][2], jobs[i][3]) for i in todo]
+                pages = [jobs[i][3] for i in todo]
                 try:
                     ok = self.store.put([names[i] for i in todo], pages)
                 except Exception:  # the page store promises misses, not exceptions; a surprise is still a miss
