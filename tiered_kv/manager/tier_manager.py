@@ -10,12 +10,13 @@ tensor data.
 
 The parts that have their own state are their own classes, which the manager
 drives: the GPU pool and block tables (:class:`~tiered_kv.core.KVCacheManager`),
-the copies in flight and what they hold (:mod:`.transfers`), the prices of
-preemption and of loads (:mod:`.pricing`), swap-out and swap-in
-(:mod:`.swap`), the CPU prefix tier's stores and loads (:mod:`.offload`), the
-per-request bounds behind cost-aware ranking (:mod:`.preempt_bounds`), the
-tiers below the CPU store (:mod:`.tier_moves`), the stores themselves
-(:mod:`tiered_kv.tiers`) and the victim policies (:mod:`.victim_policy`).
+the copies in flight, what they hold and the swaps among them (:mod:`.transfers`),
+the prices of preemption and of loads (:mod:`.pricing`), the CPU prefix tier's
+stores and loads (:mod:`.offload`), the tiers below the CPU store
+(:mod:`.tier_moves`), the stores themselves (:mod:`tiered_kv.tiers`), and the
+victim policies with the per-request bounds behind cost-aware ranking
+(:mod:`.victim_policy`).  The manager alone moves a residency, by
+:data:`~.states.TRANSITIONS` (:func:`move`), and counts what each settled copy moved.
 
 A block that a copy reads or writes is never handed to a new owner: copies hold
 the GPU blocks they read, loads pin the store blocks they read, destinations
@@ -38,19 +39,22 @@ from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError, UnknownRequestError
 from tiered_kv.manager.bounded_log import BoundedLog
-from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.invariants import check_ownership
 from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption, Room
-from tiered_kv.manager.preempt_bounds import CandidatePrices, PreemptBounds
-from tiered_kv.manager.pricing import Quote, checked_cost_model
-from tiered_kv.manager.states import FROM, IN_FLIGHT, MODES, KVState, PreemptMode, Residency, move
-from tiered_kv.manager.swap import SwappedKV, Swapper
+from tiered_kv.manager.pricing import CostModel, Quote, checked_cost_model
+from tiered_kv.manager.states import FROM, IN_FLIGHT, MODES, TRANSITIONS, KVState, PreemptMode, Residency
 from tiered_kv.manager.tier_moves import Reserved, TierMoves
-from tiered_kv.manager.transfers import Transfer, Transfers
-from tiered_kv.manager.victim_policy import Candidate, VictimPolicy, get_victim_policy
+from tiered_kv.manager.transfers import SwappedKV, Swapper, Transfer, Transfers
+from tiered_kv.manager.victim_policy import (
+    Candidate,
+    CandidatePrices,
+    PreemptBounds,
+    VictimPolicy,
+    get_victim_policy,
+)
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.lower_tier import LowerTier
@@ -65,6 +69,22 @@ EMPTY_PROMPT = (
 """Why a request with an empty prompt cannot be served (vLLM 0.33's input processor refuses one)."""
 
 _GPU = Residency.GPU  # read per call of allocate: a module constant is much cheaper than the enum's attribute
+
+_End = TypeVar("_End", Residency, None, Residency | None)
+
+
+def move(verb: str, start: Residency | None, end: _End) -> _End:
+    """``end``, checked to be a transition of :data:`~.states.TRANSITIONS` (the manager moves a residency only here).
+
+    An internal invariant: a move outside the table is a bug of the manager,
+    never a caller's misuse (which the manager refuses before it changes anything).
+    """
+    assert end in TRANSITIONS[verb].get(start, ()), f"{verb}: no transition {_name(start)} -> {_name(end)}"
+    return end
+
+
+def _name(state: Residency | None) -> str:
+    return "none" if state is None else state.value
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -438,7 +458,7 @@ class TierManager:
             if isinstance(out, Transfer):
                 h.residency, h.plan_id, plan = Residency.SWAPPING_OUT, out.plan.plan_id, out.plan
             else:  # every block already on the CPU: swapped at once
-                self._bounds.free_table(h.request)
+                self._free_table(h.request)
                 h.residency, h.swapped, h.num_stored_blocks = Residency.CPU, out, 0
             self._counters.preemptions_swap += 1
             now, later = (0, q.blocks_freed) if plan is not None else (q.blocks_freed, 0)
@@ -695,8 +715,16 @@ class TierManager:
         self._batched.clear()
         return saves
 
+    def _free_table(self, request: Request) -> None:
+        """Free the request's GPU table (``KVCacheManager.free``) and tell the bounds which blocks lost a holder."""
+        blocks = self.gpu.get_blocks(request.request_id)  # the live list: the pool's free leaves it as it is
+        self._bounds.forget(request.request_id)
+        self.gpu.free(request)
+        if blocks:
+            self._bounds.released(blocks)
+
     def _forget(self, h: Held) -> None:
-        self._bounds.free_table(h.request)
+        self._free_table(h.request)
         if h.swapped is not None:
             self._swap.release(h.swapped)
         del self._held[h.request.request_id]
@@ -885,13 +913,13 @@ class TierManager:
                 n_tok = h.num_hit_tokens + loaded if ok else 0
                 new = Residency.GPU if ok else None  # a failed load leaves nothing: recompute from scratch
                 if not ok:
-                    self._bounds.free_table(h.request)
+                    self._free_table(h.request)
             elif kind is PlanKind.SWAP_OUT:
                 h.swapped = swap.settle_out(t)
                 ok = h.swapped is not None  # landed but the KV is not whole on the CPU: rolled back
                 new, h.num_stored_blocks = (Residency.CPU if ok else Residency.GPU), 0
                 if ok:
-                    self._bounds.free_table(h.request)
+                    self._free_table(h.request)
             else:
                 swapped = h.swapped
                 assert swapped is not None
@@ -900,14 +928,27 @@ class TierManager:
                 if ok:
                     h.swapped = None
                 else:
-                    self._bounds.free_table(h.request)
+                    self._free_table(h.request)
             move("settle", h.residency, new)
             if new is None:
                 del self._held[rid]
             else:
                 h.residency = new
-        n = t.plan.num_blocks
-        self._counters.count_copy(kind, n, n * self.cost_model.bytes_per_block, ok, t.cancelled)
+        n, c = t.plan.num_blocks, self._counters
+        nbytes = n * self.cost_model.bytes_per_block
+        if not ok:
+            if t.cancelled:
+                c.plans_cancelled += 1
+            else:
+                c.plans_failed += 1
+        elif kind is PlanKind.SWAP_OUT:
+            c.swap_out_blocks, c.swap_out_bytes = c.swap_out_blocks + n, c.swap_out_bytes + nbytes
+        elif kind is PlanKind.SWAP_IN:
+            c.swap_in_blocks, c.swap_in_bytes = c.swap_in_blocks + n, c.swap_in_bytes + nbytes
+        elif kind is PlanKind.ONBOARD:
+            c.onboard_blocks, c.onboard_bytes = c.onboard_blocks + n, c.onboard_bytes + nbytes
+        elif kind is PlanKind.OFFLOAD:
+            c.offload_blocks, c.offload_bytes = c.offload_blocks + n, c.offload_bytes + nbytes
         res = self._held[rid].residency if rid in self._held else None
         err = t.handle.error
         why = None if err is None else f"{type(err).__name__}: {err}"
@@ -1076,7 +1117,7 @@ class TierManager:
         For each request, a value never above ``q.cost(mode) / q.blocks_freed``
         of its :meth:`quote` ``q`` now (``inf`` where it frees nothing), from
         counts kept as tables change and a few lookups instead of a scan of its
-        table (see :mod:`~tiered_kv.manager.preempt_bounds`).  ``lookups``:
+        table (see :class:`~tiered_kv.manager.victim_policy.PreemptBounds`).  ``lookups``:
         look up a few of each request's latest blocks in the CPU tier (a
         tighter bound, for a little more).  Raises for a request that is not
         on the GPU.
