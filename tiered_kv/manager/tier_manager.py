@@ -602,7 +602,12 @@ class TierManager:
         ``request_id=None`` asks about no request (``blocks_short`` is 0).
         Raises as :meth:`allocate` does for a request not on the GPU.
         """
-        short = 0 if request_id is None else self.blocks_short(request_id, num_new_tokens)
+        short = 0
+        if request_id is not None:
+            h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+            req = (h if h.layered else self._get(request_id, Residency.GPU)).request
+            need = self.gpu.num_blocks_to_allocate(req, num_new_tokens)
+            short = max(need - self.gpu.block_pool.get_num_free_blocks(), 0)
         return Room(short, self.transfers.blocks_freed_on_completion(self.gpu), len(self.transfers))
 
     @exclusive
@@ -799,8 +804,7 @@ class TierManager:
         self._bounds.acquired(t.gpu_holds)
         return t.plan
 
-    @exclusive
-    def open_all_layers(self, handle: TransferHandle) -> None:
+    def _open_all_layers(self, handle: TransferHandle) -> None:
         """Open every layer of a gated store the driver has not opened (its step's compute is done)."""
         checks.instance("handle", handle, TransferHandle)
         engine = self.transfers.engine
@@ -848,7 +852,7 @@ class TierManager:
         abort is skipped): returns their completions.
         """
         for h in saves:
-            self.open_all_layers(h)
+            self._open_all_layers(h)
         done: list[Completion] = []
         for h in loads:
             t = self.transfers.get(h.plan.plan_id)
@@ -1064,14 +1068,6 @@ class TierManager:
         return self.gpu.watermark_blocks
 
     @exclusive
-    def blocks_short(self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0) -> int:
-        """GPU blocks ``allocate`` would lack right now for these tokens (0 if it fits)."""
-        h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
-        req = (h if h.layered else self._get(request_id, Residency.GPU)).request
-        need = self.gpu.num_blocks_to_allocate(req, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
-        return max(need - self.gpu.block_pool.get_num_free_blocks(), 0)
-
-    @exclusive
     def blocks_to_resume(self, request_id: Hashable, num_new_tokens: int = 0) -> int:
         """Free GPU blocks that ``resume`` and then ``allocate(num_new_tokens)`` of a swapped request would take now.
 
@@ -1135,11 +1131,6 @@ class TierManager:
         if len(held) != len(found):
             held = [self._get(rid, gpu) for rid in request_ids]  # raises, naming the first not on the GPU
         return self._bounds.lower_bounds([h.request for h in held], mode, self._swap, lookups)
-
-    @exclusive
-    def cpu_room(self) -> int:
-        """CPU store blocks a store could take now: free ones plus unpinned cached ones it may evict."""
-        return self.store.num_free + self.store.num_evictable
 
     @property
     def counters(self) -> TierCounters:
