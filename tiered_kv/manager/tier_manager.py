@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -39,7 +39,6 @@ from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError, UnknownRequestError
 from tiered_kv.manager.bounded_log import BoundedLog
-from tiered_kv.manager.invariants import check_ownership
 from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
@@ -58,7 +57,7 @@ from tiered_kv.manager.victim_policy import (
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.lower_tier import LowerTier
-from tiered_kv.tiers.store import RequestContext
+from tiered_kv.tiers.store import BlockStore, Key, RequestContext
 from tiered_kv.transfer.engine import CopyEngine, GatedCopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
 
@@ -1167,8 +1166,58 @@ class TierManager:
         """
         swapped = {rid: h.swapped.keys if h.swapped is not None else None for rid, h in self._held.items()}
         low = self._lower
-        check_ownership(self.gpu, self.store, self.transfers, swapped, low.cpu_pins() if low is not None else None)
+        _check_ownership(self.gpu, self.store, self.transfers, swapped, low.cpu_pins() if low is not None else None)
         if low is not None:
             low.check_invariants()
         self._bounds.check()
         self._swap.check_tails(h.request for h in self._held.values() if h.residency is Residency.GPU)
+
+
+def _check_ownership(
+    gpu: KVCacheManager,
+    store: BlockStore,
+    transfers: Transfers,
+    swapped: Mapping[Hashable, Sequence[Key] | None],
+    other_pins: Mapping[Key, int] | None = None,
+) -> None:
+    """Assert that ref counts and pins are exactly their owners (O(blocks); for tests and debugging).
+
+    Every reference on a GPU block is an entry of some request's block table
+    or a hold of a copy in flight, and every pin in the CPU store is a swapped
+    request's copy, a load in flight or a move of the tiers below the CPU:
+    nothing else may own anything, so a block nobody owns is free and a block
+    somebody owns is never handed out.
+
+    Args:
+        gpu: The GPU tables and pool.
+        store: The CPU store (an empty one without a CPU tier).
+        transfers: The copies in flight.
+        swapped: Every request the manager holds, with the store keys of its
+            swapped copy (``None`` while its KV is on the GPU).
+    """
+    pool = gpu.block_pool
+    pool.check_invariants()
+    owners = [0] * pool.num_blocks
+    for rid, keys in swapped.items():
+        table = gpu.get_blocks(rid)
+        assert keys is None or not table or any(t.plan.request_id == rid for t in transfers), (
+            f"{rid!r} is swapped out but holds a GPU table"
+        )
+        for b in table:
+            owners[b.block_id] += 1
+    for bid, n in transfers.gpu_hold_counts().items():
+        owners[bid] += n
+    for b in pool.blocks[1:]:
+        assert b.ref_cnt == owners[b.block_id], f"GPU block {b.block_id}: {b.ref_cnt} refs, {owners[b.block_id]} owners"
+    store.check_invariants()
+    pins: dict[Key, int] = dict(other_pins or {})
+    for keys in swapped.values():
+        for k in keys or ():
+            pins[k] = pins.get(k, 0) + 1
+    for t in transfers:
+        loading = getattr(t.payload, "keys", ()) if t.plan.kind is PlanKind.ONBOARD else ()
+        for k in (*loading, *getattr(t.payload, "pinned", ())):
+            pins[k] = pins.get(k, 0) + 1
+    for e in store.entries():
+        if e.ready:
+            assert e.ref_cnt == pins.get(e.key, 0), f"store key {e.key!r}: {e.ref_cnt} pins, {pins.get(e.key)} owners"
