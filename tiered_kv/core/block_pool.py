@@ -188,8 +188,7 @@ class BlockPool:
         free = fq.num_free_blocks
         if num_blocks > free:
             raise NotEnoughFreeBlocksError(
-                f"cannot get {num_blocks} free blocks from the {self.medium} pool: "
-                f"{free} free of {self.num_blocks - 1}"
+                f"cannot get {num_blocks} free blocks from the {self.medium} pool: {free} free of {self.num_blocks - 1}"
             )
         fq.num_free_blocks = free - num_blocks
         if num_blocks == 1:
