@@ -60,14 +60,13 @@ def cache_range(
             if bh is None:
                 if block.is_null:
                     continue
-                block.block_hash = h
-                entry = cmap.get(h)
-                if entry is None:
-                    cmap[h] = block
-                elif isinstance(entry, KVCacheBlock):
-                    cmap[h] = {entry.block_id: entry, block.block_id: block}
-                else:
-                    entry[block.block_id] = block
+                entry = cmap.setdefault(h, block)  # one probe where the hash is new, as it mostly is
+                if entry is not block:  # h already cached: the entry grows
+                    if isinstance(entry, KVCacheBlock):
+                        cmap[h] = {entry.block_id: entry, bid: block}
+                    else:
+                        entry[bid] = block
+                block.block_hash = h  # after the map took h: an unhashable h raises first, with nothing to undo
             elif bh == h and not _listed_in(blocks, first, i, block):
                 if skipped is None:  # restored by copy, then cached again by its request
                     skipped = []
