@@ -444,21 +444,24 @@ class BlockPool:
             # 2000-request trace of bench_block_pool.py), so it does its work inline, without the
             # general path's calls.  Anything unusual falls through to that path, which checks
             # everything again and raises the precise error.
+            cmap = self.cached_block_hash_to_block
             try:
                 # Each failure here means "not the plain case": an index out of range, an item
-                # that is no block (compiled, the annotation's check raises TypeError) or an id
-                # that is no index of this pool.
+                # that is no block (compiled, the annotation's check raises TypeError), an id
+                # that is no index of this pool, or an unhashable hash.
                 block: KVCacheBlock = blocks[num_cached_blocks]
                 h = request.block_hashes[num_cached_blocks]
                 i = block.block_id
                 # This pool's block (see pool_checks), not yet cached, and not the null block (own[0]).
                 plain = block.block_hash is None and i != 0 and self.blocks[i] is block
+                if plain:
+                    # The first change, and the last thing that can fail: an unhashable h raises
+                    # before the map changes.  One probe where the hash is new, as it mostly is.
+                    entry = cmap.setdefault(h, block)
             except (IndexError, AttributeError, TypeError):
                 plain = False
             if plain:
-                cmap = self.cached_block_hash_to_block
-                entry = cmap.setdefault(h, block)  # one probe where the hash is new, as it mostly is
-                block.block_hash = h  # after the map took h (an unhashable h raises first)
+                block.block_hash = h
                 if entry is not block:  # a hash already cached: its entry grows (see pool_cache)
                     if isinstance(entry, KVCacheBlock):
                         cmap[h] = {entry.block_id: entry, i: block}

@@ -109,6 +109,9 @@ def _range_error(
         return BlockStateError("a block is listed twice in the range to cache")
     if block.block_hash is not None and block.block_hash != hashes[i]:
         return BlockStateError(f"block {block.block_id} is already cached under another hash; cannot cache it again")
+    h = hashes[i]
+    if type(h) is not bytes and type(h) is not int:  # an unhashable one stopped the loop
+        return pc.bad_hash(f"block hash {i} of the request", h)
     return None
 
 
