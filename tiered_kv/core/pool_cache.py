@@ -94,13 +94,16 @@ def _listed_in(blocks: Sequence[KVCacheBlock], first: int, end: int, block: KVCa
 
 def _range_error(
     blocks: Sequence[KVCacheBlock],
-    hashes: Sequence[BlockHash],
+    hashes: Sequence[object],
     first: int,
     i: int,
     own: list[KVCacheBlock],
     medium: str,
 ) -> TieredKVError | None:
-    """Why ``blocks[i]`` could not be cached (``None``: nothing wrong with it)."""
+    """Why ``blocks[i]`` could not be cached (``None``: nothing wrong with it).
+
+    ``hashes`` is read as objects: compiled, reading a wrong one as a ``BlockHash`` would raise.
+    """
     block: object = blocks[i]
     if not pc.is_own(block, own) and not pc.is_standalone(block):
         return pc.block_error("blocks", block, own, medium)
