@@ -433,8 +433,8 @@ class BlockPool:
         if (
             type(blocks) is list
             and type(num_cached_blocks) is int
+            and type(num_full_blocks) is int  # before the comparison: NumPy's == answers a numpy.bool
             and num_full_blocks == num_cached_blocks + 1
-            and type(num_full_blocks) is int
             and type(block_size) is int
             and isinstance(request, Request)
             and num_cached_blocks >= 0
