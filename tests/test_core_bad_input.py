@@ -23,10 +23,15 @@ def populated() -> tuple[KVCacheManager, Request]:
     return mgr, r
 
 
-def _long(mgr) -> Request:
-    """A request whose first five blocks are full and hashed (the first three as b's)."""
+def _long(mgr, bad: dict[int, object] | None = None) -> Request:
+    """A request whose first five blocks are full and hashed (the first three as b's).
+
+    ``bad`` replaces hashes by index (``Request.block_hashes`` is a plain list a caller can spoil).
+    """
     req = Request("long", letters("aabbcyzzqq"))
     mgr.hasher.update(req)
+    for i, h in (bad or {}).items():
+        req.block_hashes[i] = h
     return req
 
 
@@ -93,6 +98,22 @@ CASES = [
         "listed twice",
         lambda m, r: m.block_pool.cache_full_blocks(
             _long(m), [*m.req_to_blocks["b"][:3], m.block_pool.blocks[8], m.block_pool.blocks[8]], 3, 5, 2
+        ),
+    ),
+    (
+        "caching one block under an unhashable hash",
+        InvalidArgumentError,
+        r"block hash 3 of the request must be bytes or an int, got \[1, 2\]",
+        lambda m, r: m.block_pool.cache_full_blocks(
+            _long(m, {3: [1, 2]}), [*m.req_to_blocks["b"][:3], m.block_pool.blocks[8]], 3, 4, 2
+        ),
+    ),
+    (
+        "caching a range whose last hash is unhashable",
+        InvalidArgumentError,
+        r"block hash 4 of the request must be bytes or an int, got \{\}",
+        lambda m, r: m.block_pool.cache_full_blocks(
+            _long(m, {4: {}}), [*m.req_to_blocks["b"][:3], m.block_pool.blocks[8], m.block_pool.blocks[9]], 3, 5, 2
         ),
     ),
     (

@@ -55,9 +55,6 @@ from tiered_kv.core.request import Request
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, NotEnoughFreeBlocksError
 
 MEDIA = pc.MEDIA
-# get_new_blocks' evicted hashes when nobody consumes them: shared and never appended to, so that
-# the common allocation (two blocks on average, bench_block_pool.py) builds one list, not two.
-_NO_HASHES: list[BlockHash] = []
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -170,7 +167,7 @@ class BlockPool:
         return num_cached_blocks(self.cached_block_hash_to_block)
 
     # --------------------------------------------------------------- allocation
-    # One fused loop takes, evicts and hands out each block: it runs for every allocation, and a
+    # The loops take, evict and hand out each block in place: this runs for every allocation, and a
     # helper called per block would cost more than the loop's own work.
     def get_new_blocks(self, num_blocks: object) -> list[KVCacheBlock]:
         """Take ``num_blocks`` (an int >= 0) blocks from the front, each with ``ref_cnt`` 1.
@@ -179,8 +176,8 @@ class BlockPool:
         event per such block is queued, in hand-out order, and
         ``num_evicted_blocks`` counts it): this is the only place cached data is
         discarded.
-        One loop takes each block, skips the dead queue entries that ``touch``
-        leaves (see :mod:`.free_queue`), evicts and hands out.
+        Each block is taken, past the dead queue entries that ``touch`` leaves
+        (see :mod:`.free_queue`), evicted and handed out in one pass.
 
         Raises:
             NotEnoughFreeBlocksError: more blocks than are free (nothing changes).
@@ -188,27 +185,53 @@ class BlockPool:
         if type(num_blocks) is not int or num_blocks < 0:
             raise pc.bad_count("num_blocks", num_blocks)
         fq = self.free_block_queue
-        if num_blocks > fq.num_free_blocks:
+        free = fq.num_free_blocks
+        if num_blocks > free:
             raise NotEnoughFreeBlocksError(
-                f"cannot get {num_blocks} free blocks from the {self.medium} pool: "
-                f"{fq.num_free_blocks} free of {self.num_blocks - 1}"
+                f"cannot get {num_blocks} free blocks from the {self.medium} pool: {free} free of {self.num_blocks - 1}"
             )
+        fq.num_free_blocks = free - num_blocks
+        if num_blocks == 1:
+            # One block, for a decode step: nearly every call (17 743 of 19 743 on the
+            # 2000-request trace of bench_block_pool.py), so it runs without the loop's set-up.
+            dq = fq._dq
+            block = dq.popleft()
+            while block.stale:  # a dead entry left by touch: drop it and take the next
+                block.stale -= 1
+                fq._num_stale -= 1
+                block = dq.popleft()
+            block.ref_cnt = 1
+            h = block.block_hash
+            if h is None:
+                return [block]
+            cmap = self.cached_block_hash_to_block
+            entry = cmap[h]
+            if entry is block:
+                del cmap[h]
+            else:  # several blocks carry h
+                assert isinstance(entry, dict), f"block {block.block_id} is not under its hash"
+                del entry[block.block_id]
+                if not entry:
+                    del cmap[h]
+            block.block_hash = None
+            self.num_evicted_blocks += 1
+            if self.enable_kv_cache_events or self.on_evict is not None:
+                self._report_evicted([block], [h])
+            return [block]
+        pop = fq._dq.popleft
+        cmap = self.cached_block_hash_to_block
         # Only a consumer (events, on_evict) needs the evicted blocks listed: the hashed ones
         # among those handed out, in hand-out order, noted by the loop as it evicts them.
         doomed: list[KVCacheBlock] | None = None
-        old_hashes: list[BlockHash] = _NO_HASHES  # appended to only when doomed is a list
+        old_hashes: list[BlockHash] = []
         if self.enable_kv_cache_events or self.on_evict is not None:
             doomed = []
-            old_hashes = []
-        fq.num_free_blocks -= num_blocks
-        pop = fq._dq.popleft
-        cmap = self.cached_block_hash_to_block
         ret: list[KVCacheBlock] = []
         skipped = 0
         evicted = 0
         for _ in range(num_blocks):
             block = pop()
-            while block.stale:  # a dead entry left by touch: drop it and take the next
+            while block.stale:  # as above
                 block.stale -= 1
                 skipped += 1
                 block = pop()
@@ -234,14 +257,18 @@ class BlockPool:
         if evicted:
             self.num_evicted_blocks += evicted
         if doomed:
-            if self.enable_kv_cache_events:
-                # One event per block, as vLLM 0.33 emits them (consumers mirror block by block).
-                as_int, medium, queue = self.kv_events_int_hashes, self.medium, self.kv_event_queue
-                for h in old_hashes:
-                    queue.append(BlockRemoved([external_hash(h, as_int)], medium, 0))
-            if self.on_evict is not None:
-                self.on_evict(doomed, old_hashes)
+            self._report_evicted(doomed, old_hashes)
         return ret
+
+    def _report_evicted(self, doomed: list[KVCacheBlock], old_hashes: list[BlockHash]) -> None:
+        """Tell the consumers of evictions (events, ``on_evict``) about blocks just handed out."""
+        if self.enable_kv_cache_events:
+            # One event per block, as vLLM 0.33 emits them (consumers mirror block by block).
+            as_int, medium, queue = self.kv_events_int_hashes, self.medium, self.kv_event_queue
+            for h in old_hashes:
+                queue.append(BlockRemoved([external_hash(h, as_int)], medium, 0))
+        if self.on_evict is not None:
+            self.on_evict(doomed, old_hashes)
 
     def touch(self, blocks: object) -> None:
         """A cache hit: add an owner to each block (a list or tuple of this pool's blocks).
@@ -404,59 +431,44 @@ class BlockPool:
                 listed twice, or belongs to another pool (nothing changes).
         """
         if (
-            type(num_cached_blocks) is int
-            and type(num_full_blocks) is int
-            and type(blocks) is list
-            and isinstance(request, Request)
+            type(blocks) is list
+            and type(num_cached_blocks) is int
+            and type(num_full_blocks) is int  # before the comparison: NumPy's == answers a numpy.bool
             and num_full_blocks == num_cached_blocks + 1
-            and 0 <= num_cached_blocks < len(blocks)
-            and num_cached_blocks < len(request.block_hashes)
             and type(block_size) is int
+            and isinstance(request, Request)
+            and num_cached_blocks >= 0
             and block_size > 0
         ):
-            # One block, filled by a decode step: the common call, entered without the general
-            # path's calls.  Anything unusual about the block falls through to that path.
-            hashes = request.block_hashes
-            h = hashes[num_cached_blocks]
-            # cache_one's work, inlined: this path runs once per decoded block, and the extra call was
-            # about a fifth of its time (17 768 calls, bench_block_pool.py --requests 2000, cProfile).
-            block = blocks[num_cached_blocks]
-            own = self.blocks
-            if (
-                isinstance(block, KVCacheBlock)
-                and block.block_hash is None
-                and not block.is_null
-                and block.block_id < len(own)
-                and own[block.block_id] is block
-            ):
+            # One block, filled by a decode step: nearly every call (17 768 of 19 768 on the
+            # 2000-request trace of bench_block_pool.py), so it does its work inline, without the
+            # general path's calls.  Anything unusual falls through to that path, which checks
+            # everything again and raises the precise error.
+            cmap = self.cached_block_hash_to_block
+            try:
+                # Each failure here means "not the plain case": an index out of range, an item
+                # that is no block (compiled, the annotation's check raises TypeError), an id
+                # that is no index of this pool, or an unhashable hash.
+                block: KVCacheBlock = blocks[num_cached_blocks]
+                h = request.block_hashes[num_cached_blocks]
                 i = block.block_id
+                # This pool's block (see pool_checks), not yet cached, and not the null block (own[0]).
+                plain = block.block_hash is None and i != 0 and self.blocks[i] is block
+                if plain:
+                    # The first change, and the last thing that can fail: an unhashable h raises
+                    # before the map changes.  One probe where the hash is new, as it mostly is.
+                    entry = cmap.setdefault(h, block)
+            except (IndexError, AttributeError, TypeError):
+                plain = False
+            if plain:
                 block.block_hash = h
-                cmap = self.cached_block_hash_to_block
-                entry = cmap.get(h)
-                if entry is None:
-                    cmap[h] = block
-                elif isinstance(entry, KVCacheBlock):
-                    cmap[h] = {entry.block_id: entry, i: block}
-                else:
-                    entry[i] = block
-                if self.enable_kv_cache_events:  # the event the general path queues for this one block
-                    start = num_cached_blocks * block_size
-                    as_int = self.kv_events_int_hashes
-                    self.kv_event_queue.append(
-                        BlockStored(
-                            block_hashes=[external_hash(h, as_int)],
-                            parent_block_hash=external_hash(hashes[num_cached_blocks - 1], as_int)
-                            if num_cached_blocks
-                            else None,
-                            token_ids=request.all_token_ids[start : start + block_size],
-                            block_size=block_size,
-                            lora_id=None,
-                            medium=self.medium,
-                            lora_name=request.lora_name,
-                            extra_keys=event_extra_keys(request, [num_cached_blocks], block_size),
-                            group_idx=0,
-                        )
-                    )
+                if entry is not block:  # a hash already cached: its entry grows (see pool_cache)
+                    if isinstance(entry, KVCacheBlock):
+                        cmap[h] = {entry.block_id: entry, i: block}
+                    else:
+                        entry[i] = block
+                if self.enable_kv_cache_events:  # the event the general path queues for this block
+                    self.kv_event_queue.append(self._stored_one(request, num_cached_blocks, block_size))
                 return
         args = pc.check_cache_args(request, blocks, num_cached_blocks, num_full_blocks, block_size)
         if args is None:
@@ -468,6 +480,23 @@ class BlockPool:
             event = stored_event(req, table, first, last, bs, skipped, self.medium, self.kv_events_int_hashes)
             if event is not None:
                 self.kv_event_queue.append(event)
+
+    def _stored_one(self, request: Request, index: int, block_size: int) -> BlockStored:
+        """The ``BlockStored`` event of caching the one block ``index`` of ``request`` (the decode path)."""
+        hashes = request.block_hashes
+        as_int = self.kv_events_int_hashes
+        start = index * block_size
+        return BlockStored(
+            block_hashes=[external_hash(hashes[index], as_int)],
+            parent_block_hash=external_hash(hashes[index - 1], as_int) if index else None,
+            token_ids=request.all_token_ids[start : start + block_size],
+            block_size=block_size,
+            lora_id=None,
+            medium=self.medium,
+            lora_name=request.lora_name,
+            extra_keys=event_extra_keys(request, [index], block_size),
+            group_idx=0,
+        )
 
     def cache_block_hashes(self, blocks: object, hashes: object) -> None:
         """Register ``blocks[i]`` under ``hashes[i]`` (all-or-nothing; no event).

@@ -60,14 +60,13 @@ def cache_range(
             if bh is None:
                 if block.is_null:
                     continue
-                block.block_hash = h
-                entry = cmap.get(h)
-                if entry is None:
-                    cmap[h] = block
-                elif isinstance(entry, KVCacheBlock):
-                    cmap[h] = {entry.block_id: entry, block.block_id: block}
-                else:
-                    entry[block.block_id] = block
+                entry = cmap.setdefault(h, block)  # one probe where the hash is new, as it mostly is
+                if entry is not block:  # h already cached: the entry grows
+                    if isinstance(entry, KVCacheBlock):
+                        cmap[h] = {entry.block_id: entry, bid: block}
+                    else:
+                        entry[bid] = block
+                block.block_hash = h  # after the map took h: an unhashable h raises first, with nothing to undo
             elif bh == h and not _listed_in(blocks, first, i, block):
                 if skipped is None:  # restored by copy, then cached again by its request
                     skipped = []
@@ -95,13 +94,16 @@ def _listed_in(blocks: Sequence[KVCacheBlock], first: int, end: int, block: KVCa
 
 def _range_error(
     blocks: Sequence[KVCacheBlock],
-    hashes: Sequence[BlockHash],
+    hashes: Sequence[object],
     first: int,
     i: int,
     own: list[KVCacheBlock],
     medium: str,
 ) -> TieredKVError | None:
-    """Why ``blocks[i]`` could not be cached (``None``: nothing wrong with it)."""
+    """Why ``blocks[i]`` could not be cached (``None``: nothing wrong with it).
+
+    ``hashes`` is read as objects: compiled, reading a wrong one as a ``BlockHash`` would raise.
+    """
     block: object = blocks[i]
     if not pc.is_own(block, own) and not pc.is_standalone(block):
         return pc.block_error("blocks", block, own, medium)
@@ -110,6 +112,9 @@ def _range_error(
         return BlockStateError("a block is listed twice in the range to cache")
     if block.block_hash is not None and block.block_hash != hashes[i]:
         return BlockStateError(f"block {block.block_id} is already cached under another hash; cannot cache it again")
+    h = hashes[i]
+    if type(h) is not bytes and type(h) is not int:  # an unhashable one stopped the loop
+        return pc.bad_hash(f"block hash {i} of the request", h)
     return None
 
 
