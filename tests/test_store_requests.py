@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, RequestStateError, TieredKVError
-from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
 from tiered_kv.tiers.policies import CACHE_POLICIES
-from tiered_kv.tiers.store import RequestContext
 
 B = 16
 

@@ -12,7 +12,8 @@ from collections.abc import Hashable, Mapping, Sequence
 
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.manager.transfers import Transfers
-from tiered_kv.tiers.store import BlockStore, Key
+from tiered_kv.tiers.cpu_store import CPUStore as BlockStore
+from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.plan import PlanKind
 
 

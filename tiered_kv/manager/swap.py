@@ -22,7 +22,8 @@ from tiered_kv.core.request import Request
 from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.pricing import Quote, price
 from tiered_kv.manager.transfers import Transfer, Transfers
-from tiered_kv.tiers.store import BlockStore, Key, LoadStoreSpec
+from tiered_kv.tiers.cpu_store import CPUStore as BlockStore
+from tiered_kv.tiers.store import Key, LoadStoreSpec
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind
 
 _MOVED_LOOKUPS = 4  # full blocks past the prompt that a swap-out's lower bound looks up

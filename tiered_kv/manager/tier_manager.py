@@ -52,9 +52,8 @@ from tiered_kv.manager.tier_moves import Reserved, TierMoves
 from tiered_kv.manager.transfers import Transfer, Transfers
 from tiered_kv.manager.victim_policy import Candidate, VictimPolicy, get_victim_policy
 from tiered_kv.storage.spec import KVSpec
-from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
 from tiered_kv.tiers.lower_tier import LowerTier
-from tiered_kv.tiers.store import RequestContext
 from tiered_kv.transfer.engine import CopyEngine, GatedCopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from tiered_kv.tiers.policies.base import CachePolicy, Predicate
-from tiered_kv.tiers.request_access import RequestAccess
 from tiered_kv.tiers.store import Key
+
+if TYPE_CHECKING:  # the store owns these records and imports the policies
+    from tiered_kv.tiers.cpu_store import RequestAccess
 
 _MISSING = object()
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Collection, Iterable, Sequence
 from itertools import pairwise
+from typing import TYPE_CHECKING
 
 from tiered_kv.tiers.policies.base import CachePolicy, Predicate
-from tiered_kv.tiers.request_access import RequestAccess
 from tiered_kv.tiers.store import Key
+
+if TYPE_CHECKING:  # the store owns these records and imports the policies
+    from tiered_kv.tiers.cpu_store import RequestAccess
 
 Rank = tuple[int, int]
 
