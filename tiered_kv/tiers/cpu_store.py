@@ -113,11 +113,23 @@ def keys_and_set(name: str, keys: object) -> tuple[Sequence[Key], set[Key]]:
     """``(check_keys(name, keys), key_set(name, keys))`` in one pass: the checked keys and their set.
 
     A store that needs both (C-level subset and disjointness tests against its
-    own sets instead of a Python loop per key) builds the set once.
+    own sets instead of a Python loop per key) builds the set once.  The checks
+    of :func:`key_set` are inlined: this runs on every load and store.
     """
-    if keys.__class__ is not list and keys.__class__ is not tuple:
-        keys = as_keys(name, keys)
-    return keys, key_set(name, keys)  # type: ignore[return-value]
+    cls = keys.__class__
+    if cls is set or cls is frozenset:
+        seq: Sequence[Key] = list(keys)  # type: ignore[call-overload]  # distinct by construction
+    elif cls is list or cls is tuple:
+        seq = keys  # type: ignore[assignment]
+    else:
+        seq = as_keys(name, keys)
+    try:
+        distinct = set(seq)
+    except TypeError:
+        return seq, key_set(name, seq)  # raises, naming the unhashable key
+    if len(distinct) == len(seq) and None not in distinct and True not in distinct and False not in distinct:
+        return seq, distinct
+    return seq, key_set(name, seq)  # raises, or lets the keys 0 and 1 pass
 
 
 def key_set(name: str, keys: object) -> set[Key]:
@@ -128,7 +140,7 @@ def key_set(name: str, keys: object) -> set[Key]:
     pass proves every key hashable and distinct.
     """
     if keys.__class__ is not list and keys.__class__ is not tuple:
-        keys = as_keys(name, keys)
+        keys = list(keys) if keys.__class__ is set or keys.__class__ is frozenset else as_keys(name, keys)
     try:
         distinct = set(keys)  # type: ignore[arg-type]
     except TypeError:
@@ -277,7 +289,9 @@ class RequestAccess:
         inserted: Keys this request's stores reserved.
         reused: Ready keys this request read or offered again, that it had not inserted itself.
         store_misses: Keys this request offered while absent (a policy learns from each once).
-        offered: Every key this request named to ``prepare_store`` (what ``complete_store`` may name).
+        offered_present: Keys this request offered while resident; with ``store_misses``, every key it
+            named to ``prepare_store`` (what ``complete_store`` may name).  Kept apart so that a fresh
+            offer, the common one, updates one set instead of two.
         rank: The LRU policy's request rank; 0 until it assigns one.
     """
 
@@ -287,7 +301,7 @@ class RequestAccess:
     inserted: set[Key] = field(default_factory=set)
     reused: set[Key] = field(default_factory=set)
     store_misses: set[Key] = field(default_factory=set)
-    offered: set[Key] = field(default_factory=set)
+    offered_present: set[Key] = field(default_factory=set)
     rank: int = 0
 
     def reset(self) -> None:
@@ -297,7 +311,7 @@ class RequestAccess:
         self.inserted.clear()
         self.reused.clear()
         self.store_misses.clear()
-        self.offered.clear()
+        self.offered_present.clear()
         self.rank = 0
 
     def prefix_order(self) -> list[Key]:
@@ -402,6 +416,21 @@ class CPUStore:
 
         self._evictable = evictable
         self._policy: CachePolicy = make_cache_policy(policy, num_blocks - 1, ready, policy_module_path)
+        # Hooks left at the base's no-ops are not called: ARC learns at a request's finish and reads
+        # evictability from the predicate at eviction, so its loads and completed stores call nothing.
+        cls, base = type(self._policy), CachePolicy
+        self._on_access = None if cls.on_request_access is base.on_request_access else self._policy.on_request_access
+        self._mark_evictable = (
+            None
+            if cls.mark_evictable_all is base.mark_evictable_all and cls.mark_evictable is base.mark_evictable
+            else self._policy.mark_evictable_all
+        )
+        self._mark_non_evictable = (
+            None
+            if cls.mark_non_evictable_all is base.mark_non_evictable_all
+            and cls.mark_non_evictable is base.mark_non_evictable
+            else self._policy.mark_non_evictable_all
+        )
 
     def __repr__(self) -> str:
         return (
@@ -482,7 +511,8 @@ class CPUStore:
         if new:
             seen.update(new)
             rec.order.extend(new)
-            self._policy.on_request_access(new, rec)
+            if self._on_access is not None:
+                self._on_access(new, rec)
         if reused:
             inserted = rec.inserted
             rec.reused.update(reused if inserted.isdisjoint(reused) else reused - inserted)
@@ -596,20 +626,25 @@ class CPUStore:
             RequestStateError: ``req`` is not open.  Nothing changes in either case.
         """
         keys, named = keys_and_set("keys", keys)
-        rec = self._request(req, "load") if req is not None else None
+        rec = None
+        if req is not None:
+            rec = self._requests.get(req.req_id) if req.__class__ is RequestContext else None
+            if rec is None or rec.context is not req:  # _request's checks, as in prepare_store
+                rec = self._request(req, "load")
         slots, pins, pending = self._slots, self._pins, self._pending
         # Set comparisons run in C: a generator per key was a tenth of the load's time.
         if not (slots.keys() >= named and pending.isdisjoint(named)):
             self._refuse("load", keys)
         if pins.keys().isdisjoint(named):  # the common case: no key is being loaded already
             pins.update(dict.fromkeys(keys, 1))
-            self._policy.mark_non_evictable_all(keys)
+            if self._mark_non_evictable is not None:
+                self._mark_non_evictable(keys)
         else:
             idle = [key for key in keys if key not in pins]
             for key in keys:
                 pins[key] = pins.get(key, 0) + 1
-            if idle:
-                self._policy.mark_non_evictable_all(idle)
+            if idle and self._mark_non_evictable is not None:
+                self._mark_non_evictable(idle)
         if rec is not None:
             self._observe(rec, keys, named, named)
         return make_spec(self.medium, tuple(map(slots.__getitem__, keys)))
@@ -650,8 +685,8 @@ class CPUStore:
                 idle.append(key)
             else:
                 pins[key] = n - 1
-        if idle:
-            self._policy.mark_evictable_all(idle)
+        if idle and self._mark_evictable is not None:
+            self._mark_evictable(idle)
 
     # ------------------------------------------------------------------- stores
     def prepare_store(self, keys: Sequence[Key], req: RequestContext | None = None) -> PrepareStoreOutput | None:
@@ -671,35 +706,57 @@ class CPUStore:
             RequestStateError: ``req`` is not open; nothing changes.
         """
         keys, named = keys_and_set("keys", keys)
-        rec = self._request(req, "store") if req is not None else None
-        slots, pending = self._slots, self._pending
-        # A fresh chunk (no key resident) is the common offer: one C-level test instead of a filter.
-        fresh = slots.keys().isdisjoint(named)
-        to_store = list(keys) if fresh else [key for key in keys if key not in slots]
-        policy = self._policy
-        if rec is not None:
-            misses = rec.store_misses
-            new = to_store if misses.isdisjoint(named) else [key for key in to_store if key not in misses]
-            if new:
-                policy.on_store_miss(new, rec)
-                misses.update(new)
-            rec.offered.update(named)
-            if fresh:
-                self._observe(rec, keys, named, None)
+        rec = None
+        if req is not None:
+            # _request's checks, inlined for the common case (the exact class, an open request).
+            rec = self._requests.get(req.req_id) if req.__class__ is RequestContext else None
+            if rec is None or rec.context is not req:
+                rec = self._request(req, "store")
+        if not named:
+            return make_prepare_output([], self.medium, (), [])
+        slots, pending, policy = self._slots, self._pending, self._policy
+        if slots.keys().isdisjoint(named):
+            # A fresh chunk (no key resident), the common offer: whole-set updates in C, no filter per key.
+            to_store = list(keys)
+            if rec is not None:
+                misses = rec.store_misses
+                new = to_store if misses.isdisjoint(named) else [key for key in to_store if key not in misses]
+                if new:
+                    policy.on_store_miss(new, rec)
+                    misses.update(new)
+                seen = rec.seen
+                new = keys if seen.isdisjoint(named) else [key for key in keys if key not in seen]
+                if new:
+                    seen.update(new)
+                    rec.order.extend(new)
+                    if self._on_access is not None:
+                        self._on_access(new, rec)
             else:
-                ready = [key for key in keys if key in slots and key not in pending]
+                policy.on_store_miss(to_store, None)
+        else:
+            to_store = [key for key in keys if key not in slots]
+            if rec is not None:
+                misses = rec.store_misses
+                new = to_store if misses.isdisjoint(named) else [key for key in to_store if key not in misses]
+                if new:
+                    policy.on_store_miss(new, rec)
+                    misses.update(new)
+                present = [key for key in keys if key in slots]
+                rec.offered_present.update(present)
+                ready = [key for key in present if key not in pending]
                 if ready:
                     keep = set(to_store)
                     keep.update(ready)
                     self._observe(rec, [key for key in keys if key in keep], keep, set(ready))
                 elif to_store:
                     self._observe(rec, to_store, set(to_store), None)
-        elif to_store:
-            policy.on_store_miss(to_store, None)
-        if not to_store:
-            return make_prepare_output([], self.medium, (), [])
-        self._allocation_sizes.append(len(to_store))
-        need = len(to_store) - self._capacity + len(slots)
+            elif to_store:
+                policy.on_store_miss(to_store, None)
+            if not to_store:
+                return make_prepare_output([], self.medium, (), [])
+        n = len(to_store)
+        self._allocation_sizes.append(n)
+        need = n - self._capacity + len(slots)
         if need > 0:
             if need > len(slots) - len(pending) - len(self._pins):
                 return None
@@ -712,7 +769,12 @@ class CPUStore:
                 self._events.append(StoreEvent(list(evicted), self.medium, True))
         else:
             evicted = []
-        block_ids = self._allocate(len(to_store))
+        start = self._next_fresh
+        if start + n <= self._num_blocks:  # never-used ids left: _allocate's first case, inlined
+            self._next_fresh = start + n
+            block_ids: tuple[int, ...] = tuple(range(start, start + n))
+        else:
+            block_ids = self._allocate(n)
         slots.update(zip(to_store, block_ids, strict=True))
         pending.update(to_store)
         policy.insert_all(to_store, rec)
@@ -740,11 +802,11 @@ class CPUStore:
                 checks.instance("req", req, RequestContext)
             rec = self._requests.get(req.req_id)
             if rec is not None and rec.context is req:
-                slots, offered = self._slots, rec.offered
-                # Nearly always every key was offered: one C-level subset test, the per-key scan
-                # (which names the culprit) only when it fails.
-                for i, key in enumerate(() if offered.issuperset(named) else keys):
-                    if key not in slots and key not in offered:
+                slots, misses, present = self._slots, rec.store_misses, rec.offered_present
+                # Nearly always every key was offered while absent: one C-level subset test, the per-key
+                # scan (which names the culprit) only when it fails.
+                for i, key in enumerate(() if misses.issuperset(named) else keys):
+                    if key not in slots and key not in misses and key not in present:
                         raise BlockStateError(
                             f"cannot complete the store of key {checks.describe(key)} (keys[{i}]) in the "
                             f"{self.medium} store: request {req.req_id!r} never prepared it"
@@ -755,11 +817,11 @@ class CPUStore:
         if not done:
             return
         pending.difference_update(done)
-        policy = self._policy
         if success:
-            policy.mark_evictable_all(done)
+            if self._mark_evictable is not None:
+                self._mark_evictable(done)
         else:
-            slots, free, remove = self._slots, self._free_ids, policy.remove
+            slots, free, remove = self._slots, self._free_ids, self._policy.remove
             for key in done:
                 remove(key)
                 free.append(slots.pop(key))

@@ -7,7 +7,8 @@ tells the policy what it needs through two predicates given at construction
 ``mark_evictable`` / ``mark_non_evictable`` calls at every change of a key's
 evictability (made through their batched forms, ``mark_evictable_all`` /
 ``mark_non_evictable_all``, once per call of the store: a method call per key
-costs more than most policies' work for it).
+costs more than most policies' work for it).  A policy that leaves these hooks, or
+``on_request_access``, at the base's no-ops is not called for them at all (ARC).
 
 The hooks and when the store calls them are vLLM 0.33's:
 
