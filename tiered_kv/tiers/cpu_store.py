@@ -646,8 +646,20 @@ class CPUStore:
             if idle and self._mark_non_evictable is not None:
                 self._mark_non_evictable(idle)
         if rec is not None:
-            self._observe(rec, keys, named, named)
-        return make_spec(self.medium, tuple(map(slots.__getitem__, keys)))
+            seen = rec.seen
+            if seen.isdisjoint(named):  # _observe's common case, inlined: a first load of these keys
+                seen.update(named)
+                rec.order.extend(keys)
+                if self._on_access is not None:
+                    self._on_access(keys, rec)
+                inserted = rec.inserted
+                rec.reused.update(named if inserted.isdisjoint(named) else named - inserted)
+            else:
+                self._observe(rec, keys, named, named)
+        spec = _new(LoadStoreSpec)  # make_spec, inlined
+        _set_medium(spec, self.medium)
+        _set_block_ids(spec, tuple(map(slots.__getitem__, keys)))
+        return spec
 
     def touch(self, keys: Sequence[Key], req: RequestContext | None = None) -> None:
         """Record a use of ``keys``; unknown keys are ignored.
@@ -719,18 +731,25 @@ class CPUStore:
             # A fresh chunk (no key resident), the common offer: whole-set updates in C, no filter per key.
             to_store = list(keys)
             if rec is not None:
-                misses = rec.store_misses
-                new = to_store if misses.isdisjoint(named) else [key for key in to_store if key not in misses]
-                if new:
-                    policy.on_store_miss(new, rec)
-                    misses.update(new)
-                seen = rec.seen
-                new = keys if seen.isdisjoint(named) else [key for key in keys if key not in seen]
-                if new:
-                    seen.update(new)
-                    rec.order.extend(new)
+                misses, seen = rec.store_misses, rec.seen
+                if seen.isdisjoint(named):  # then so are the misses: every store miss is seen
+                    policy.on_store_miss(to_store, rec)
+                    misses.update(named)
+                    seen.update(named)
+                    rec.order.extend(keys)
                     if self._on_access is not None:
-                        self._on_access(new, rec)
+                        self._on_access(keys, rec)
+                else:
+                    new = [key for key in to_store if key not in misses]
+                    if new:
+                        policy.on_store_miss(new, rec)
+                        misses.update(new)
+                    new = [key for key in keys if key not in seen]
+                    if new:
+                        seen.update(new)
+                        rec.order.extend(new)
+                        if self._on_access is not None:
+                            self._on_access(new, rec)
             else:
                 policy.on_store_miss(to_store, None)
         else:

@@ -373,7 +373,9 @@ class LRUPolicy(CachePolicy):
         evictable = self._evictable
         n = len(evictable)
         evictable.difference_update(keys)
-        self._add_stale(n - len(evictable))
+        self._stale += n - len(evictable)  # _add_stale, inlined: once per load
+        if self._stale > max(_STALE_FLOOR, _STALE_FACTOR * len(evictable)):
+            self._rebuild()
 
     def check_invariants(self) -> None:
         super().check_invariants()
