@@ -4,11 +4,15 @@ A tiny scheduler run (three 10-token requests, 8 usable GPU blocks of 4
 tokens, a CPU tier, ``mode="swap"``) is traced with ``sys.settrace``: for an
 admission, the first ``Scheduler.schedule``; for a swap preemption, the step
 that preempts and the poll that settles its copy after the engine finished
-it.  It prints the files in the order first entered, how many there are, and
-how many calls entered a file that was still on the call stack below the
-caller (a call back up, into a file the path had left without returning).
+it.  ``preempt`` is the issue's narrower path of a swap preemption: only what
+runs inside ``Scheduler._make_room`` in that step (the victim's choice, its
+pricing and the copy submitted to the engine), then the poll that settles the
+copy, up to ``Scheduler._apply``.  It prints the files in the order first
+entered, how many there are, and how many calls entered a file that was still
+on the call stack below the caller (a call back up, into a file the path had
+left without returning).
 
-Usage: python benchmarks/path_trace.py {swap,admit}
+Usage: python benchmarks/path_trace.py {swap,admit,preempt}
 """
 
 from __future__ import annotations
@@ -42,13 +46,27 @@ def step(s: Scheduler) -> Any:
     return out
 
 
-def traced(fn: Any, events: list[tuple[str, str]]) -> Any:
+def traced(fn: Any, events: list[tuple[str, str]], within: str | None = None) -> Any:
+    """Run ``fn``, recording package calls and returns; with ``within``, only inside that scheduler method."""
+    inside = [within is None]
+
     def on_call(frame: FrameType, event: str, arg: Any) -> Any:
         f = frame.f_code.co_filename
         if event != "call" or not f.startswith(ROOT):
             return None
+        entering = not inside[0] and frame.f_code.co_name == within and f.endswith("scheduler.py")
+        if not (inside[0] or entering):
+            return None
+        inside[0] = True
         events.append(("call", os.path.relpath(f, ROOT)))
-        return lambda fr, ev, a: events.append(("return", "")) if ev == "return" else None
+
+        def on_return(fr: FrameType, ev: str, a: Any) -> None:
+            if ev == "return":
+                events.append(("return", ""))
+                if entering:
+                    inside[0] = False
+
+        return on_return
 
     sys.settrace(on_call)
     try:
@@ -88,7 +106,7 @@ def main(which: str) -> None:
         s, eng = make()
         for _ in range(n):
             step(s)
-        out = traced(lambda: step(s), events)
+        out = traced(lambda: step(s), events, "_make_room" if which == "preempt" else None)
         assert out.preempted, "the replay preempts in the same step"
         eng.complete_all()
         traced(s.settle, events)

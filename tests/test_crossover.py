@@ -154,7 +154,7 @@ def test_fit_link_recovers_a_line():
 def test_fitted_crossover_finds_where_the_line_meets_the_curve():
     """Swap costs 2 us a token; recompute 1 us a token plus q * L / 2: they meet at L = 2e-6 / q = 1000."""
     from tiered_kv.bench.crossover import fitted_crossover
-    from tiered_kv.manager.cost_model import CostModel
+    from tiered_kv.manager.pricing import CostModel
 
     cm = CostModel(
         kv_bytes_per_token=1000,

@@ -71,7 +71,7 @@ def test_core_and_transfer_plans_import_no_third_party_packages():
         *root.glob("core/*.py"),
         root / "errors.py",
         root / "checks.py",
-        *(root / "transfer" / n for n in ("plan.py", "coalesce.py", "engine.py", "controlled.py")),
+        *(root / "transfer" / n for n in ("plan.py", "engine.py", "controlled.py")),
         root / "storage" / "spec.py",
     ]
     for path in stdlib_only:

@@ -7,7 +7,8 @@ from mgrutil import make_tm, run, settle, tm_snapshot
 
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError
 from tiered_kv.manager.outcomes import Room
-from tiered_kv.manager.states import TRANSITIONS, KVState, Residency, move
+from tiered_kv.manager.states import TRANSITIONS, KVState, Residency
+from tiered_kv.manager.tier_manager import move
 
 
 def test_state_follows_a_request_through_admit_swap_resume_and_free():

@@ -18,8 +18,7 @@ from tierutil import NS, host
 from tiered_kv.core import Request
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, PlanError, StorageError, TieredKVError
 from tiered_kv.manager import Residency
-from tiered_kv.manager.cost_model import ConfigError, CostModel
-from tiered_kv.manager.pricing import price_load
+from tiered_kv.manager.pricing import ConfigError, CostModel, price_load
 from tiered_kv.manager.tier_moves import RETRY_POLLS
 from tiered_kv.sched import Scheduler
 from tiered_kv.sched.status import RequestStatus

@@ -61,7 +61,7 @@ for v in BAD_COUNTS:
         (f"admit num_lookahead_tokens={v!r}", lambda tm, eng, v=v: tm.admit(new_req(), 4, v)),
         (f"allocate num_new_tokens={v!r}", lambda tm, eng, v=v: tm.allocate("run", v)),
         (f"allocate num_lookahead_tokens={v!r}", lambda tm, eng, v=v: tm.allocate("run", 1, v)),
-        (f"blocks_short num_new_tokens={v!r}", lambda tm, eng, v=v: tm.blocks_short("run", v)),
+        (f"room num_new_tokens={v!r}", lambda tm, eng, v=v: tm.room("run", v)),
         (f"handle plan_id={v!r}", lambda tm, eng, v=v: tm.handle(v)),
         (f"start_layerwise_store num_tokens_after_step={v!r}", lambda tm, eng, v=v: tm.start_layerwise_store("run", v)),
     ]
@@ -79,12 +79,14 @@ for v in BAD_IDS:
         "holds",
         "gpu_block_ids",
         "cpu_block_ids",
-        "blocks_short",
+        "room",
         "gpu_table_length",
         "quiet_tokens",
         "start_layerwise_store",
     ):
-        args = (v, 1) if name in ("allocate", "blocks_short", "start_layerwise_store") else (v,)
+        if name == "room" and v is None:
+            continue  # room(None) asks about no request
+        args = (v, 1) if name in ("allocate", "room", "start_layerwise_store") else (v,)
         ROWS.append((f"{name} request_id={v!r}", lambda tm, eng, n=name, a=args: getattr(tm, n)(*a)))
     ROWS.append((f"preemption_bounds request_ids=[{v!r}]", lambda tm, eng, v=v: tm.preemption_bounds(["run", v])))
 ROWS += [
@@ -104,8 +106,8 @@ ROWS += [
     ("wait timeout=nan", lambda tm, eng: tm.wait(float("nan"))),
     ("resume layered=1", lambda tm, eng: tm.resume("sw", 1)),
     ("resume layered=None", lambda tm, eng: tm.resume("sw", None)),
-    ("open_all_layers(None)", lambda tm, eng: tm.open_all_layers(None)),
-    ("open_all_layers(a plan id)", lambda tm, eng: tm.open_all_layers(tm.plans_in_flight()[0].plan_id)),
+    ("step_computed saves=[None]", lambda tm, eng: tm.step_computed([None])),
+    ("step_computed saves=[a plan id]", lambda tm, eng: tm.step_computed([tm.plans_in_flight()[0].plan_id])),
 ]
 TRANSITIONS = [
     ("resume a request on the GPU", InvalidTransitionError, "'run' is gpu, not cpu", lambda tm: tm.resume("run")),

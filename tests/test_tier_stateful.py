@@ -169,7 +169,8 @@ class TierMachine(RuleBasedStateMachine):
             )
             for i, r in enumerate(ids)
         ]
-        victims = select_victims(get_victim_policy(policy, self.tm.cost_model), cands, n, "auto", self.tm.cpu_room())
+        cpu_room = tm.store.num_free + tm.store.num_evictable  # what a store could take now
+        victims = select_victims(get_victim_policy(policy, tm.cost_model), cands, n, "auto", cpu_room)
         for v in victims or ():
             p = self.tm.preempt(v.request_id, "auto")
             if p.residency is None:

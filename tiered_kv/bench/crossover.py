@@ -25,7 +25,7 @@ and one device sync path (:func:`~tiered_kv.bench.timing.sync_device`):
   memory and the output says so (that link is memory bandwidth, not PCIe).
   Recompute is priced by a calibration measured on the *same* model, or by the
   hardware profile's roofline at ``--mfu``, exactly as the simulator and the
-  manager's :class:`~tiered_kv.manager.cost_model.CostModel` price it.  The
+  manager's :class:`~tiered_kv.manager.pricing.CostModel` price it.  The
   answer is given per measured length and as the length where the fitted link
   line and the compute curve cross, which needs no measured point to land on it.
 
@@ -56,8 +56,8 @@ from tiered_kv.engine.engine import Engine
 from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.errors import ConfigError, ResourceLimitError
-from tiered_kv.manager.cost_model import CostModel, nnls
 from tiered_kv.manager.manager_config import ManagerConfig
+from tiered_kv.manager.pricing import CostModel, nnls
 from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sim.calibration import STEP_TERMS, Calibration, model_config_dict
 from tiered_kv.sim.compute import ComputeModel

@@ -23,8 +23,8 @@ from tiered_kv.core.request import Request
 from tiered_kv.engine.engine_config import EngineConfig
 from tiered_kv.engine.model import ModelConfig, TinyLlama
 from tiered_kv.errors import InvalidArgumentError, InvalidTransitionError, TieredKVError
-from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.metrics import MetricsSnapshot
+from tiered_kv.manager.pricing import CostModel
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.sched import Scheduler, SchedulerOutput
 from tiered_kv.storage.kv_storage import KVStorage

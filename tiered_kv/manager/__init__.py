@@ -4,11 +4,10 @@ The CPU store and the stores below it live beside the manager in :mod:`tiered_kv
 """
 
 from tiered_kv.manager.bounded_log import BoundedLog
-from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.metrics import LowerTierCounters, MetricsSnapshot, TierCounters
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption
-from tiered_kv.manager.pricing import LoadQuote, Quote
+from tiered_kv.manager.pricing import CostModel, LoadQuote, Quote
 from tiered_kv.manager.states import PreemptMode, Residency
 from tiered_kv.manager.tier_manager import TierManager
 from tiered_kv.manager.victim_policy import (

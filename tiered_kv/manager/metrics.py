@@ -8,14 +8,6 @@ from dataclasses import asdict, dataclass, field, replace
 from tiered_kv.core.block_pool import BlockPool
 from tiered_kv.manager.states import Residency
 from tiered_kv.tiers.cpu_store import CPUStore as BlockStore
-from tiered_kv.transfer.plan import PlanKind
-
-_MOVED = {
-    PlanKind.SWAP_OUT: "swap_out",
-    PlanKind.SWAP_IN: "swap_in",
-    PlanKind.ONBOARD: "onboard",
-    PlanKind.OFFLOAD: "offload",
-}
 
 
 @dataclass(slots=True)
@@ -71,19 +63,6 @@ class TierCounters:
         if has_cpu_tier:
             self.cpu_query_tokens += num_tokens - gpu_hits
             self.cpu_hit_tokens += cpu_hits
-
-    def count_copy(self, kind: PlanKind, num_blocks: int, num_bytes: int, ok: bool, cancelled: bool) -> None:
-        """A copy settled: count a failure or a cancel, or what it moved."""
-        if not ok:
-            if cancelled:
-                self.plans_cancelled += 1
-            else:
-                self.plans_failed += 1
-            return
-        name = _MOVED.get(kind)
-        if name is not None:
-            setattr(self, f"{name}_blocks", getattr(self, f"{name}_blocks") + num_blocks)
-            setattr(self, f"{name}_bytes", getattr(self, f"{name}_bytes") + num_bytes)
 
     def copy(self) -> TierCounters:
         return replace(self)

@@ -2,7 +2,8 @@
 
 The manager keeps each request's :class:`Residency` and moves it only by the
 transitions of :data:`TRANSITIONS`, one table: for each verb, the states it
-may start from and the states it may leave.  The scheduler keeps no copy: it
+may start from and the states it may leave (``TierManager``'s ``move`` checks
+every move against it).  The scheduler keeps no copy: it
 reads the residency that each outcome carries (``Admission``, ``Preemption``,
 ``Resumption``, ``Completion``) or asks the manager (``TierManager.state``),
 and its own status says only which of its queues a request is in.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
 
 
 class Residency(str, enum.Enum):
@@ -57,23 +57,6 @@ FROM: Mapping[str, tuple[Residency, ...]] = {
     verb: tuple(s for s in table if s is not None) for verb, table in TRANSITIONS.items()
 }
 """The residencies each verb starts from (a request the manager holds)."""
-
-
-_End = TypeVar("_End", Residency, None, Residency | None)
-
-
-def move(verb: str, start: Residency | None, end: _End) -> _End:
-    """``end``, checked to be a transition of :data:`TRANSITIONS` (the manager moves a residency only here).
-
-    An internal invariant: a move outside the table is a bug of the manager,
-    never a caller's misuse (which the manager refuses before it changes anything).
-    """
-    assert end in TRANSITIONS[verb].get(start, ()), f"{verb}: no transition {_name(start)} -> {_name(end)}"
-    return end
-
-
-def _name(state: Residency | None) -> str:
-    return "none" if state is None else state.value
 
 
 @dataclass(frozen=True, slots=True)

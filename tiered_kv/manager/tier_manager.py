@@ -10,12 +10,13 @@ tensor data.
 
 The parts that have their own state are their own classes, which the manager
 drives: the GPU pool and block tables (:class:`~tiered_kv.core.KVCacheManager`),
-the copies in flight and what they hold (:mod:`.transfers`), the prices of
-preemption and of loads (:mod:`.pricing`), swap-out and swap-in
-(:mod:`.swap`), the CPU prefix tier's stores and loads (:mod:`.offload`), the
-per-request bounds behind cost-aware ranking (:mod:`.preempt_bounds`), the
-tiers below the CPU store (:mod:`.tier_moves`), the stores themselves
-(:mod:`tiered_kv.tiers`) and the victim policies (:mod:`.victim_policy`).
+the copies in flight, what they hold and the swaps among them (:mod:`.transfers`),
+the prices of preemption and of loads (:mod:`.pricing`), the CPU prefix tier's
+stores and loads (:mod:`.offload`), the tiers below the CPU store
+(:mod:`.tier_moves`), the stores themselves (:mod:`tiered_kv.tiers`), and the
+victim policies with the per-request bounds behind cost-aware ranking
+(:mod:`.victim_policy`).  The manager alone moves a residency, by
+:data:`~.states.TRANSITIONS` (:func:`move`), and counts what each settled copy moved.
 
 A block that a copy reads or writes is never handed to a new owner: copies hold
 the GPU blocks they read, loads pin the store blocks they read, destinations
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -38,22 +39,26 @@ from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import ConcurrentUseError, InvalidArgumentError, InvalidTransitionError, UnknownRequestError
 from tiered_kv.manager.bounded_log import BoundedLog
-from tiered_kv.manager.cost_model import CostModel
-from tiered_kv.manager.invariants import check_ownership
 from tiered_kv.manager.manager_config import ManagerConfig
 from tiered_kv.manager.metrics import MetricsSnapshot, TierCounters, snapshot
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import Admission, Completion, Decision, LoadDecision, Preemption, Resumption, Room
-from tiered_kv.manager.preempt_bounds import CandidatePrices, PreemptBounds
-from tiered_kv.manager.pricing import Quote, checked_cost_model
-from tiered_kv.manager.states import FROM, IN_FLIGHT, MODES, KVState, PreemptMode, Residency, move
-from tiered_kv.manager.swap import SwappedKV, Swapper
+from tiered_kv.manager.pricing import CostModel, Quote, checked_cost_model
+from tiered_kv.manager.states import FROM, IN_FLIGHT, MODES, TRANSITIONS, KVState, PreemptMode, Residency
 from tiered_kv.manager.tier_moves import Reserved, TierMoves
-from tiered_kv.manager.transfers import Transfer, Transfers
-from tiered_kv.manager.victim_policy import Candidate, VictimPolicy, get_victim_policy
+from tiered_kv.manager.transfers import SwappedKV, Swapper, Transfer, Transfers
+from tiered_kv.manager.victim_policy import (
+    Candidate,
+    CandidatePrices,
+    PreemptBounds,
+    VictimPolicy,
+    get_victim_policy,
+)
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
+from tiered_kv.tiers.cpu_store import CPUStore as BlockStore
 from tiered_kv.tiers.lower_tier import LowerTier
+from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.engine import CopyEngine, GatedCopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
 
@@ -64,6 +69,22 @@ EMPTY_PROMPT = (
 """Why a request with an empty prompt cannot be served (vLLM 0.33's input processor refuses one)."""
 
 _GPU = Residency.GPU  # read per call of allocate: a module constant is much cheaper than the enum's attribute
+
+_End = TypeVar("_End", Residency, None, Residency | None)
+
+
+def move(verb: str, start: Residency | None, end: _End) -> _End:
+    """``end``, checked to be a transition of :data:`~.states.TRANSITIONS` (the manager moves a residency only here).
+
+    An internal invariant: a move outside the table is a bug of the manager,
+    never a caller's misuse (which the manager refuses before it changes anything).
+    """
+    assert end in TRANSITIONS[verb].get(start, ()), f"{verb}: no transition {_name(start)} -> {_name(end)}"
+    return end
+
+
+def _name(state: Residency | None) -> str:
+    return "none" if state is None else state.value
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -437,7 +458,7 @@ class TierManager:
             if isinstance(out, Transfer):
                 h.residency, h.plan_id, plan = Residency.SWAPPING_OUT, out.plan.plan_id, out.plan
             else:  # every block already on the CPU: swapped at once
-                self._bounds.free_table(h.request)
+                self._free_table(h.request)
                 h.residency, h.swapped, h.num_stored_blocks = Residency.CPU, out, 0
             self._counters.preemptions_swap += 1
             now, later = (0, q.blocks_freed) if plan is not None else (q.blocks_freed, 0)
@@ -581,7 +602,12 @@ class TierManager:
         ``request_id=None`` asks about no request (``blocks_short`` is 0).
         Raises as :meth:`allocate` does for a request not on the GPU.
         """
-        short = 0 if request_id is None else self.blocks_short(request_id, num_new_tokens)
+        short = 0
+        if request_id is not None:
+            h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
+            req = (h if h.layered else self._get(request_id, Residency.GPU)).request
+            need = self.gpu.num_blocks_to_allocate(req, num_new_tokens)
+            short = max(need - self.gpu.block_pool.get_num_free_blocks(), 0)
         return Room(short, self.transfers.blocks_freed_on_completion(self.gpu), len(self.transfers))
 
     @exclusive
@@ -694,8 +720,16 @@ class TierManager:
         self._batched.clear()
         return saves
 
+    def _free_table(self, request: Request) -> None:
+        """Free the request's GPU table (``KVCacheManager.free``) and tell the bounds which blocks lost a holder."""
+        blocks = self.gpu.get_blocks(request.request_id)  # the live list: the pool's free leaves it as it is
+        self._bounds.forget(request.request_id)
+        self.gpu.free(request)
+        if blocks:
+            self._bounds.released(blocks)
+
     def _forget(self, h: Held) -> None:
-        self._bounds.free_table(h.request)
+        self._free_table(h.request)
         if h.swapped is not None:
             self._swap.release(h.swapped)
         del self._held[h.request.request_id]
@@ -770,8 +804,7 @@ class TierManager:
         self._bounds.acquired(t.gpu_holds)
         return t.plan
 
-    @exclusive
-    def open_all_layers(self, handle: TransferHandle) -> None:
+    def _open_all_layers(self, handle: TransferHandle) -> None:
         """Open every layer of a gated store the driver has not opened (its step's compute is done)."""
         checks.instance("handle", handle, TransferHandle)
         engine = self.transfers.engine
@@ -819,7 +852,7 @@ class TierManager:
         abort is skipped): returns their completions.
         """
         for h in saves:
-            self.open_all_layers(h)
+            self._open_all_layers(h)
         done: list[Completion] = []
         for h in loads:
             t = self.transfers.get(h.plan.plan_id)
@@ -884,13 +917,13 @@ class TierManager:
                 n_tok = h.num_hit_tokens + loaded if ok else 0
                 new = Residency.GPU if ok else None  # a failed load leaves nothing: recompute from scratch
                 if not ok:
-                    self._bounds.free_table(h.request)
+                    self._free_table(h.request)
             elif kind is PlanKind.SWAP_OUT:
                 h.swapped = swap.settle_out(t)
                 ok = h.swapped is not None  # landed but the KV is not whole on the CPU: rolled back
                 new, h.num_stored_blocks = (Residency.CPU if ok else Residency.GPU), 0
                 if ok:
-                    self._bounds.free_table(h.request)
+                    self._free_table(h.request)
             else:
                 swapped = h.swapped
                 assert swapped is not None
@@ -899,14 +932,27 @@ class TierManager:
                 if ok:
                     h.swapped = None
                 else:
-                    self._bounds.free_table(h.request)
+                    self._free_table(h.request)
             move("settle", h.residency, new)
             if new is None:
                 del self._held[rid]
             else:
                 h.residency = new
-        n = t.plan.num_blocks
-        self._counters.count_copy(kind, n, n * self.cost_model.bytes_per_block, ok, t.cancelled)
+        n, c = t.plan.num_blocks, self._counters
+        nbytes = n * self.cost_model.bytes_per_block
+        if not ok:
+            if t.cancelled:
+                c.plans_cancelled += 1
+            else:
+                c.plans_failed += 1
+        elif kind is PlanKind.SWAP_OUT:
+            c.swap_out_blocks, c.swap_out_bytes = c.swap_out_blocks + n, c.swap_out_bytes + nbytes
+        elif kind is PlanKind.SWAP_IN:
+            c.swap_in_blocks, c.swap_in_bytes = c.swap_in_blocks + n, c.swap_in_bytes + nbytes
+        elif kind is PlanKind.ONBOARD:
+            c.onboard_blocks, c.onboard_bytes = c.onboard_blocks + n, c.onboard_bytes + nbytes
+        elif kind is PlanKind.OFFLOAD:
+            c.offload_blocks, c.offload_bytes = c.offload_blocks + n, c.offload_bytes + nbytes
         res = self._held[rid].residency if rid in self._held else None
         err = t.handle.error
         why = None if err is None else f"{type(err).__name__}: {err}"
@@ -1022,14 +1068,6 @@ class TierManager:
         return self.gpu.watermark_blocks
 
     @exclusive
-    def blocks_short(self, request_id: Hashable, num_new_tokens: int, num_lookahead_tokens: int = 0) -> int:
-        """GPU blocks ``allocate`` would lack right now for these tokens (0 if it fits)."""
-        h = self._get(request_id, Residency.GPU, Residency.SWAPPING_IN)
-        req = (h if h.layered else self._get(request_id, Residency.GPU)).request
-        need = self.gpu.num_blocks_to_allocate(req, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
-        return max(need - self.gpu.block_pool.get_num_free_blocks(), 0)
-
-    @exclusive
     def blocks_to_resume(self, request_id: Hashable, num_new_tokens: int = 0) -> int:
         """Free GPU blocks that ``resume`` and then ``allocate(num_new_tokens)`` of a swapped request would take now.
 
@@ -1075,7 +1113,7 @@ class TierManager:
         For each request, a value never above ``q.cost(mode) / q.blocks_freed``
         of its :meth:`quote` ``q`` now (``inf`` where it frees nothing), from
         counts kept as tables change and a few lookups instead of a scan of its
-        table (see :mod:`~tiered_kv.manager.preempt_bounds`).  ``lookups``:
+        table (see :class:`~tiered_kv.manager.victim_policy.PreemptBounds`).  ``lookups``:
         look up a few of each request's latest blocks in the CPU tier (a
         tighter bound, for a little more).  Raises for a request that is not
         on the GPU.
@@ -1093,11 +1131,6 @@ class TierManager:
         if len(held) != len(found):
             held = [self._get(rid, gpu) for rid in request_ids]  # raises, naming the first not on the GPU
         return self._bounds.lower_bounds([h.request for h in held], mode, self._swap, lookups)
-
-    @exclusive
-    def cpu_room(self) -> int:
-        """CPU store blocks a store could take now: free ones plus unpinned cached ones it may evict."""
-        return self.store.num_free + self.store.num_evictable
 
     @property
     def counters(self) -> TierCounters:
@@ -1134,8 +1167,58 @@ class TierManager:
         """
         swapped = {rid: h.swapped.keys if h.swapped is not None else None for rid, h in self._held.items()}
         low = self._lower
-        check_ownership(self.gpu, self.store, self.transfers, swapped, low.cpu_pins() if low is not None else None)
+        _check_ownership(self.gpu, self.store, self.transfers, swapped, low.cpu_pins() if low is not None else None)
         if low is not None:
             low.check_invariants()
         self._bounds.check()
         self._swap.check_tails(h.request for h in self._held.values() if h.residency is Residency.GPU)
+
+
+def _check_ownership(
+    gpu: KVCacheManager,
+    store: BlockStore,
+    transfers: Transfers,
+    swapped: Mapping[Hashable, Sequence[Key] | None],
+    other_pins: Mapping[Key, int] | None = None,
+) -> None:
+    """Assert that ref counts and pins are exactly their owners (O(blocks); for tests and debugging).
+
+    Every reference on a GPU block is an entry of some request's block table
+    or a hold of a copy in flight, and every pin in the CPU store is a swapped
+    request's copy, a load in flight or a move of the tiers below the CPU:
+    nothing else may own anything, so a block nobody owns is free and a block
+    somebody owns is never handed out.
+
+    Args:
+        gpu: The GPU tables and pool.
+        store: The CPU store (an empty one without a CPU tier).
+        transfers: The copies in flight.
+        swapped: Every request the manager holds, with the store keys of its
+            swapped copy (``None`` while its KV is on the GPU).
+    """
+    pool = gpu.block_pool
+    pool.check_invariants()
+    owners = [0] * pool.num_blocks
+    for rid, keys in swapped.items():
+        table = gpu.get_blocks(rid)
+        assert keys is None or not table or any(t.plan.request_id == rid for t in transfers), (
+            f"{rid!r} is swapped out but holds a GPU table"
+        )
+        for b in table:
+            owners[b.block_id] += 1
+    for bid, n in transfers.gpu_hold_counts().items():
+        owners[bid] += n
+    for b in pool.blocks[1:]:
+        assert b.ref_cnt == owners[b.block_id], f"GPU block {b.block_id}: {b.ref_cnt} refs, {owners[b.block_id]} owners"
+    store.check_invariants()
+    pins: dict[Key, int] = dict(other_pins or {})
+    for keys in swapped.values():
+        for k in keys or ():
+            pins[k] = pins.get(k, 0) + 1
+    for t in transfers:
+        loading = getattr(t.payload, "keys", ()) if t.plan.kind is PlanKind.ONBOARD else ()
+        for k in (*loading, *getattr(t.payload, "pinned", ())):
+            pins[k] = pins.get(k, 0) + 1
+    for e in store.entries():
+        if e.ready:
+            assert e.ref_cnt == pins.get(e.key, 0), f"store key {e.key!r}: {e.ref_cnt} pins, {pins.get(e.key)} owners"

@@ -40,14 +40,12 @@ from typing import Any
 from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.request import Request
 from tiered_kv.manager.bounded_log import DEFAULT_LOG_SIZE, BoundedLog
-from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.metrics import LowerTierCounters
 from tiered_kv.manager.offload import Offloader
 from tiered_kv.manager.outcomes import LoadDecision
-from tiered_kv.manager.pricing import LoadQuote, price_load
-from tiered_kv.manager.swap import PrivateKey
+from tiered_kv.manager.pricing import CostModel, LoadQuote, price_load
 from tiered_kv.manager.tier_checks import chain_of
-from tiered_kv.manager.transfers import Transfer, Transfers
+from tiered_kv.manager.transfers import PrivateKey, Transfer, Transfers
 from tiered_kv.tiers.chain import Move, TierChain
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.store import Key

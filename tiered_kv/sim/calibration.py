@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.pricing import CostModel
 from tiered_kv.sim.files import read_json, write_text
 from tiered_kv.sim.profiles import ModelProfile
 from tiered_kv.storage.spec import DTYPE_BYTES, LAYOUTS

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiered_kv.errors import ConfigError
-from tiered_kv.manager.cost_model import CostModel
 from tiered_kv.manager.manager_config import ManagerConfig
+from tiered_kv.manager.pricing import CostModel
 from tiered_kv.sched.config import SchedulerConfig
 from tiered_kv.sim.calibration import Calibration
 from tiered_kv.sim.client import OPEN_LOOP, ClientSpec

@@ -1,16 +1,26 @@
 """Layer 1: transfer plans and copy engines.
 
-``plan``, ``coalesce``, ``engine``, ``controlled``, ``event_handle`` and
+``plan``, ``engine``, ``controlled``, ``event_handle`` and
 ``factory`` are standard library only; the torch, CUDA and cupy engines live in
 their own modules and import torch (the factory imports them only when it
 builds one).
 """
 
-from tiered_kv.transfer.coalesce import CopyRun, chunk_runs, coalesce, count_runs
 from tiered_kv.transfer.controlled import ControlledCopyEngine
 from tiered_kv.transfer.engine import CopyEngine
 from tiered_kv.transfer.factory import EngineUnavailableError, available_kinds, make_copy_engine
-from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan, TransferStatus
+from tiered_kv.transfer.plan import (
+    CPU,
+    GPU,
+    CopyRun,
+    PlanKind,
+    TransferHandle,
+    TransferPlan,
+    TransferStatus,
+    chunk_runs,
+    coalesce,
+    count_runs,
+)
 
 __all__ = [
     "CPU",

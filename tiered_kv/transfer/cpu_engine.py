@@ -14,8 +14,7 @@ from collections.abc import Callable, Mapping
 
 from tiered_kv.errors import PlanError, TransferError
 from tiered_kv.storage.kv_storage import KVStorage
-from tiered_kv.transfer.coalesce import CopyRun
-from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
+from tiered_kv.transfer.plan import CopyRun, TransferHandle, TransferPlan, TransferStatus
 from tiered_kv.transfer.storage_engine import LANES, PreparedPlan, StorageEngineBase
 
 #: How often a worker waiting for a gated layer checks for a cancel.

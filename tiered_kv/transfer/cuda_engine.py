@@ -80,7 +80,6 @@ from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError, PlanError, TransferError
 from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.storage.spec import segment_offsets
-from tiered_kv.transfer.coalesce import CopyRun
 from tiered_kv.transfer.event_handle import (
     DEFAULT_MAX_TRACKED_PLANS,
     CupyEvents,
@@ -92,7 +91,7 @@ from tiered_kv.transfer.event_handle import (
     issued_event,
 )
 from tiered_kv.transfer.factory import require
-from tiered_kv.transfer.plan import TransferHandle, TransferPlan, TransferStatus
+from tiered_kv.transfer.plan import CopyRun, TransferHandle, TransferPlan, TransferStatus
 from tiered_kv.transfer.storage_engine import LANES, PreparedPlan, StorageEngineBase
 
 CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from unified addresses

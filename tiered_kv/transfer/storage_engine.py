@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 from tiered_kv.errors import PlanError, StorageError
 from tiered_kv.storage.kv_storage import KVStorage
-from tiered_kv.transfer.coalesce import CopyRun, chunk_runs, coalesce
-from tiered_kv.transfer.plan import TransferHandle, TransferPlan
+from tiered_kv.transfer.plan import CopyRun, TransferHandle, TransferPlan, chunk_runs, coalesce
 
 LANES = ("h2d_urgent", "h2d", "d2h", "local")
 

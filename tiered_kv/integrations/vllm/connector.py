@@ -74,8 +74,7 @@ from vllm.v1.request import Request, RequestStatus
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.vllm.manager import TieredKVOffloadingManager
 from tiered_kv.integrations.vllm.preemption_stats import PreemptionCounters
-from tiered_kv.manager.cost_model import CostModel
-from tiered_kv.manager.pricing import Quote, price
+from tiered_kv.manager.pricing import CostModel, Quote, price
 
 
 @dataclass

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_kv.errors import ConfigError, InvalidArgumentError
-from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.pricing import CostModel
 from tiered_kv.manager.states import MODES
 from tiered_kv.manager.victim_policy import VICTIM_POLICIES, LastAdmittedPolicy, VictimPolicy, get_victim_policy
 

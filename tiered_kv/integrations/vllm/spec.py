@@ -42,7 +42,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.vllm.extra_config import TIERED_KV_KEYS, VLLM_OFFLOADING_KEYS, check_keys, preemption_config
 from tiered_kv.integrations.vllm.manager import LoadPricing, TieredKVOffloadingManager
 from tiered_kv.integrations.vllm.preemption_stats import METRICS
-from tiered_kv.manager.cost_model import CostModel
+from tiered_kv.manager.pricing import CostModel
 from tiered_kv.tiers.link import TierLink
 
 _COST_KEYS = (
