@@ -40,8 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import vllm_ref_offload
 
-from tiered_kv.tiers.cpu_store import CPUStore
-from tiered_kv.tiers.store import RequestContext
+from tiered_kv.tiers import CPUStore, RequestContext
 
 BLOCK = 16
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}

@@ -54,8 +54,7 @@ class Driver:
             self.v = v
             self.m = v.manager.CPUOffloadingManager(capacity, cache_policy=policy)
         elif kind == "ours":
-            from tiered_kv.tiers.cpu_store import CPUStore
-            from tiered_kv.tiers.store import RequestContext
+            from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
 
             self.m = CPUStore(capacity + 1, policy)
             self.ctx_cls = RequestContext

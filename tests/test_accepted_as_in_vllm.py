@@ -22,9 +22,8 @@ from poolutil import letters, pool_snapshot
 from tiered_kv.core import BlockHasher, BlockPool, KVCacheBlock, KVCacheManager, Request
 from tiered_kv.errors import BlockStateError, InvalidArgumentError
 from tiered_kv.sched import Scheduler
-from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
 from tiered_kv.tiers.policies import CACHE_POLICIES
-from tiered_kv.tiers.store import RequestContext
 
 
 # ----------------------------------------------------------------- an empty prompt

@@ -18,10 +18,9 @@ from tierutil import NS, key
 
 from tiered_kv.errors import InvalidArgumentError
 from tiered_kv.tiers.chain import TierChain, TierPolicy
-from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
 from tiered_kv.tiers.disk_store import DiskStore
 from tiered_kv.tiers.redis_store import RedisStore
-from tiered_kv.tiers.store import RequestContext
 
 fakeredis = pytest.importorskip("fakeredis")
 

@@ -97,7 +97,7 @@ def test_the_tier_chain_and_the_stores_import_no_third_party_packages():
     root = pathlib.Path(tiered_kv.__file__).parent / "tiers"
     names = ("chain", "namespace", "block_format", "keyed_store", "io_handle", "disk_store", "redis_health")
     names += ("chunk_buffer",)
-    names += ("store", "cpu_store", "request_access", *(f"policies/{p}" for p in ("base", "lru", "arc", "factory")))
+    names += ("store", "cpu_store", *(f"policies/{p}" for p in ("base", "lru", "arc", "factory")))
     for path in (root / f"{n}.py" for n in names):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import | ast.ImportFrom):

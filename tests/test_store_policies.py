@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
 from tiered_kv.tiers.policies import CACHE_POLICIES, get_cache_policy_cls, register_cache_policy
-from tiered_kv.tiers.store import LoadStoreSpec, PrepareStoreOutput, RequestContext
+from tiered_kv.tiers.store import LoadStoreSpec, PrepareStoreOutput
 
 NAMES = sorted(CACHE_POLICIES)
 B = 16  # tokens per block

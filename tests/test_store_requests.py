@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, RequestStateError, TieredKVError
-from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
 from tiered_kv.tiers.policies import CACHE_POLICIES
-from tiered_kv.tiers.store import RequestContext
 
 B = 16
 
@@ -109,6 +108,35 @@ def test_out_of_order_hooks_raise_and_change_nothing(policy, what, error, messag
         with pytest.raises(error, match=message):
             call(store, a)
     assert issubclass(error, TieredKVError)
+    assert snapshot(store) == before
+    store.check_invariants()
+
+
+@pytest.mark.parametrize("policy", sorted(CACHE_POLICIES))
+def test_a_key_offered_while_resident_may_be_completed_after_its_eviction_and_a_loaded_one_may_not(policy):
+    store = CPUStore(3, policy, enable_events=True)
+    b = RequestContext("B")
+    b.set_positions(["x", "w"], B, B)
+    store.on_new_request(b)
+    store.prepare_store(["x", "w"], b)
+    store.complete_store(["x", "w"], True, b)
+    store.on_request_finished(b)
+    a = RequestContext("A")
+    a.set_positions(["x", "w"], B, B)
+    store.on_new_request(a)
+    assert store.prepare_store(["x"], a).keys_to_store == []  # offered while ready: nothing to store
+    store.prepare_load(["w"], a)
+    store.complete_load(["w"], a)
+    c = RequestContext("C")
+    c.set_positions(["p", "q"], B, B)
+    store.on_new_request(c)
+    assert sorted(store.prepare_store(["p", "q"], c).evicted_keys) == ["w", "x"]
+    store.take_events()
+    before = snapshot(store)
+    store.complete_store(["x"], True, a)  # offered by A, now absent: ignored, as vLLM ignores it
+    assert snapshot(store) == before
+    with pytest.raises(BlockStateError, match=r"key 'w' \(str\) \(keys\[0\]\).*request 'A' never prepared it"):
+        store.complete_store(["w"], True, a)  # A only loaded it
     assert snapshot(store) == before
     store.check_invariants()
 

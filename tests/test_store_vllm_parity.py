@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import pytest
 import vllm_ref_offload
 
-from tiered_kv.tiers.cpu_store import CPUStore
-from tiered_kv.tiers.store import LookupResult, RequestContext
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
+from tiered_kv.tiers.store import LookupResult
 
 BLOCK = 16
 

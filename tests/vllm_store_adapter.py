@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from tiered_kv.tiers.cpu_store import CPUStore
-from tiered_kv.tiers.store import RequestContext
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
 
 
 def make_adapter(v: Any) -> type:

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from tiered_kv.core.block_pool import BlockPool
 from tiered_kv.manager.states import Residency
-from tiered_kv.tiers.store import BlockStore
+from tiered_kv.tiers.cpu_store import CPUStore as BlockStore
 
 
 @dataclass(slots=True)

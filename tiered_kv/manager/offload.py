@@ -21,8 +21,8 @@ from tiered_kv.core.block import KVCacheBlock
 from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.manager.transfers import Transfer, Transfers
-from tiered_kv.tiers.cpu_store import CPUStore
-from tiered_kv.tiers.store import Key, RequestContext
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
+from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind
 
 

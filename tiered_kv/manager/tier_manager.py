@@ -55,9 +55,10 @@ from tiered_kv.manager.victim_policy import (
     get_victim_policy,
 )
 from tiered_kv.storage.spec import KVSpec
-from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
+from tiered_kv.tiers.cpu_store import CPUStore as BlockStore
 from tiered_kv.tiers.lower_tier import LowerTier
-from tiered_kv.tiers.store import BlockStore, Key, RequestContext
+from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.engine import CopyEngine, GatedCopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan
 

@@ -3,8 +3,8 @@
 The CPU store (:class:`~tiered_kv.tiers.cpu_store.CPUStore`) follows vLLM 0.33.0's
 request-scoped ``OffloadingManager`` protocol, with its cache policies in
 :mod:`tiered_kv.tiers.policies`.  Each store below it is a
-:class:`~tiered_kv.tiers.store.BlockStore` (the CPU tier's verbs and semantics,
-without request scope); each I/O engine moves a block's bytes between the CPU tier's
+:class:`~tiered_kv.tiers.keyed_store.KeyedStore`, a subclass of the CPU store (its verbs and
+semantics, without request scope); each I/O engine moves a block's bytes between the CPU tier's
 tensor (the staging area) and the store's medium on a thread pool, completing
 through a :class:`~tiered_kv.transfer.plan.TransferHandle`.  A tier below the
 CPU, as the manager drives it, is a :class:`LowerTier` (its store, I/O engine,
@@ -30,8 +30,7 @@ _WHERE = {
     "FormatError": "block_format",
     "CPUStore": "cpu_store",
     "StoreUsage": "cpu_store",
-    "BlockStore": "store",
-    "RequestContext": "store",
+    "RequestContext": "cpu_store",
     "StoreEvent": "store",
     "ChainLookup": "chain",
     "Move": "chain",

@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 from tiered_kv import checks
 from tiered_kv.errors import BlockStateError, InvalidArgumentError
-from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore, check_keys
 from tiered_kv.tiers.io_handle import BlockIOHandle, BlockOutcome
 from tiered_kv.tiers.keyed_store import KeyedStore
 from tiered_kv.tiers.namespace import encodable
-from tiered_kv.tiers.store import BlockStore, Key, LoadStoreSpec, check_keys
+from tiered_kv.tiers.store import Key, LoadStoreSpec
 from tiered_kv.tiers.write_policy import check_write_policy
 from tiered_kv.transfer.plan import GPU, PlanKind, TransferHandle, TransferPlan
 
@@ -137,7 +137,7 @@ class TierChain:
             and the last tier's policy demotes nothing (there is nothing below it).
     """
 
-    def __init__(self, tiers: Sequence[tuple[BlockStore, TierPolicy]]) -> None:
+    def __init__(self, tiers: Sequence[tuple[CPUStore, TierPolicy]]) -> None:
         if tiers.__class__ not in (list, tuple) or not tiers:
             raise InvalidArgumentError(
                 f"tiers must be a non-empty list of (store, policy), got {checks.describe(tiers)}"
@@ -145,7 +145,7 @@ class TierChain:
         for i, pair in enumerate(tiers):
             if pair.__class__ is not tuple or len(pair) != 2:
                 raise InvalidArgumentError(f"tiers[{i}] must be a (store, policy) pair, got {checks.describe(pair)}")
-            checks.instance(f"tiers[{i}][0]", pair[0], BlockStore)
+            checks.instance(f"tiers[{i}][0]", pair[0], CPUStore)
             checks.instance(f"tiers[{i}][1]", pair[1], TierPolicy)
         media = [store.medium for store, _ in tiers]
         if len(set(media)) != len(media):
@@ -154,7 +154,7 @@ class TierChain:
             raise InvalidArgumentError(
                 f"the last tier ({media[-1]}) has no tier below it: its policy must demote 'none'"
             )
-        self.stores: tuple[BlockStore, ...] = tuple(store for store, _ in tiers)
+        self.stores: tuple[CPUStore, ...] = tuple(store for store, _ in tiers)
         self.policies: tuple[TierPolicy, ...] = tuple(policy for _, policy in tiers)
         self._open: dict[int, Move] = {}
         self._ids = itertools.count()
@@ -195,7 +195,7 @@ class TierChain:
         return ChainLookup(tuple(owner[:n]))
 
     @staticmethod
-    def _held(store: BlockStore, keys: list[Key]) -> list[bool]:
+    def _held(store: CPUStore, keys: list[Key]) -> list[bool]:
         probe = getattr(store, "probe", None)  # a remote store asks its server in one round trip
         if probe is not None:
             return probe(keys)
@@ -343,7 +343,7 @@ class TierChain:
         return [k for k in keys if not any(s.contains(k) for s in others)]
 
     @staticmethod
-    def _accepts(store: BlockStore, key: Key) -> bool:
+    def _accepts(store: CPUStore, key: Key) -> bool:
         return encodable(key) if isinstance(store, KeyedStore) else True
 
     def check_invariants(self) -> None:

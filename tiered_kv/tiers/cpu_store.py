@@ -1,55 +1,326 @@
-"""The CPU tier: a :class:`~tiered_kv.tiers.store.BlockStore` over a fixed set of slots.
+"""The CPU tier, and the protocol of every tier below the GPU: a block store keyed by block hash.
 
-The slots are the blocks of the pinned CPU KV tensor (layer 1); this module only
-decides which key owns which slot.  It follows vLLM 0.33.0's
-``CPUOffloadingManager`` (``vllm/v1/kv_offload/cpu/manager.py``) with the same
-policy: the same answers, the same evictions in the same order, the same slots
-(shifted by one: our slot 0 is reserved, because transfer plans refuse block 0)
-and the same events.  ``tests/test_store_vllm_parity.py`` replays seeded traces
-through vLLM's own class and this one side by side and checks exactly that.
+A store holds whole KV blocks, each under a key: the block's hash (``bytes`` or
+``int``) for shareable prefix blocks, or a private key object for blocks that
+belong to one request.  The verbs are those of vLLM 0.33.0's ``OffloadingManager``
+(``vllm/v1/kv_offload/base.py``), so that the CPU tier, a disk tier and a remote
+tier are interchangeable under the tier manager:
 
-What this store adds on top of that protocol, for the tier manager: several
-loads of one key (pins for swap-outs), ``remove`` of a request's private
-blocks, prefix and room queries, and typed errors for calls vLLM only asserts.
+* ``lookup`` / ``lookup_prefix`` ask what is there;
+* ``prepare_load`` pins blocks for a copy out of the store, ``complete_load``
+  unpins them, ``touch`` records use;
+* ``prepare_store`` reserves slots (evicting by policy), ``complete_store``
+  makes the written blocks loadable or, on failure, drops them;
+* ``remove`` drops blocks whose owner no longer needs them;
+* ``take_events`` drains what was stored and removed, for external indexes.
+
+:class:`CPUStore` implements it over a fixed set of slots: the blocks of the
+pinned CPU KV tensor (layer 1); this module only decides which key owns which
+slot.  The disk and remote stores subclass it
+(:class:`~tiered_kv.tiers.keyed_store.KeyedStore`), where a slot is a unit of
+capacity of their medium, and take the same verbs without a request.  It follows
+vLLM 0.33.0's ``CPUOffloadingManager`` (``vllm/v1/kv_offload/cpu/manager.py``)
+with the same policy and its request scope (:class:`RequestContext`,
+``on_new_request`` / ``on_request_finished`` / ``on_schedule_end``): the same
+answers, the same evictions in the same order, the same slots (shifted by one:
+our slot 0 is reserved, because transfer plans refuse block 0) and the same
+events.  ``tests/test_store_vllm_parity.py`` replays seeded traces through
+vLLM's own class and this one side by side and checks exactly that.  What it
+adds on top of that protocol, for the tier manager: several loads of one key
+(pins for swap-outs), ``remove`` of a request's private blocks, prefix and room
+queries, and typed errors for calls vLLM only asserts.
+
+A store is bookkeeping only.  It never touches memory and never imports torch:
+it tells a copy engine *where* the bytes go
+(:class:`~tiered_kv.tiers.store.LoadStoreSpec`) and the layer above moves them.
+
+Life of an entry (``ref`` is the number of loads in flight)::
+
+    absent --prepare_store--> PENDING --complete_store--> READY, ref 0 --prepare_load--> READY, ref > 0
+     ^  ^                        |                          |    ^                             |
+     |  +--complete_store(False)-+                          |    +--------complete_load--------+
+     +------------- evicted by prepare_store, or remove ----+
+
+Every public call checks all of its arguments, types included, before it
+changes anything; misuse raises a :class:`~tiered_kv.errors.TieredKVError`
+subclass naming what was wrong, and a store that cannot make room returns
+``None`` and changes nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from tiered_kv import checks
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, RequestStateError
 from tiered_kv.tiers.policies.base import CachePolicy
 from tiered_kv.tiers.policies.factory import make_cache_policy
-from tiered_kv.tiers.request_access import RequestAccess
 from tiered_kv.tiers.store import (
-    BlockStore,
     Key,
     LoadStoreSpec,
     LookupResult,
     PrepareStoreOutput,
-    RequestContext,
     StoreEntry,
     StoreEvent,
     StoreStats,
-    as_keys,
-    check_key,
-    check_keys,
-    key_set,
-    keys_and_set,
-    make_prepare_output,
-    make_spec,
 )
 
 _HIT, _MISS, _HIT_PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 _NOT_KEYS = (None, True, False)  # never stored, so always missing: a caller's bug to name
 
 
+def check_key(name: str, key: object) -> Key:
+    """Return ``key`` if it can be a store key; else raise :class:`InvalidArgumentError`.
+
+    ``None`` is refused (it is what a missing hash looks like) and so is
+    ``bool``: ``True == 1`` would alias the block hashed to 1.
+    """
+    if key.__class__ is bool:
+        raise InvalidArgumentError(f"{name} must be a hashable key that is not a bool, got {checks.describe(key)}")
+    return checks.hashable(name, key)
+
+
+def as_keys(name: str, keys: object) -> Sequence[Key]:
+    """``keys`` as a list or tuple: itself if it is one, else its items in iteration order.
+
+    vLLM 0.33's manager takes any collection of keys (its connector completes
+    stores with a ``set``), so every collection is accepted; its iteration order
+    is then the order.  ``bytes``, ``str`` and mappings are refused: they are
+    collections of characters or of pairs, not of keys.
+    """
+    if keys.__class__ is list or keys.__class__ is tuple:
+        return keys  # type: ignore[return-value]
+    if isinstance(keys, str | bytes | bytearray | memoryview | dict) or not isinstance(keys, Collection):
+        raise InvalidArgumentError(f"{name} must be a collection of keys, got {checks.describe(keys)}")
+    return list(keys)
+
+
+def check_keys(name: str, keys: object) -> Sequence[Key]:
+    """Return ``keys`` as a list or tuple (see :func:`as_keys`) if it holds distinct valid keys.
+
+    A key named twice in one call is a caller bug (a chained block hash cannot
+    repeat within one request), and refusing it keeps every per-key
+    precondition checkable before any change.
+    """
+    seq = as_keys(name, keys)
+    key_set(name, seq)
+    return seq
+
+
+def keys_and_set(name: str, keys: object) -> tuple[Sequence[Key], set[Key]]:
+    """``(check_keys(name, keys), key_set(name, keys))`` in one pass: the checked keys and their set.
+
+    A store that needs both (C-level subset and disjointness tests against its
+    own sets instead of a Python loop per key) builds the set once.  The checks
+    of :func:`key_set` are inlined: this runs on every load and store.
+    """
+    cls = keys.__class__
+    if cls is set or cls is frozenset:
+        seq: Sequence[Key] = list(keys)  # type: ignore[call-overload]  # distinct by construction
+    elif cls is list or cls is tuple:
+        seq = keys  # type: ignore[assignment]
+    else:
+        seq = as_keys(name, keys)
+    try:
+        distinct = set(seq)
+    except TypeError:
+        return seq, key_set(name, seq)  # raises, naming the unhashable key
+    if len(distinct) == len(seq) and None not in distinct and True not in distinct and False not in distinct:
+        return seq, distinct
+    return seq, key_set(name, seq)  # raises, or lets the keys 0 and 1 pass
+
+
+def key_set(name: str, keys: object) -> set[Key]:
+    """``set(keys)``, once ``keys`` has passed the checks of :func:`check_keys`; else raise as it says.
+
+    Stores need the set anyway (all-or-nothing membership tests, the keys an
+    eviction must spare), so building it doubles as the check: one C-level
+    pass proves every key hashable and distinct.
+    """
+    if keys.__class__ is not list and keys.__class__ is not tuple:
+        keys = list(keys) if keys.__class__ is set or keys.__class__ is frozenset else as_keys(name, keys)
+    try:
+        distinct = set(keys)  # type: ignore[arg-type]
+    except TypeError:
+        distinct = None
+    # ``True in`` also matches the key 1 (equal hashes), so 0 and 1 take the exact path below.
+    if (
+        distinct is not None
+        and len(distinct) == len(keys)  # type: ignore[arg-type]
+        and None not in distinct
+        and True not in distinct
+        and False not in distinct
+    ):
+        return distinct
+    seen: dict[Key, int] = {}
+    for i, key in enumerate(keys):  # type: ignore[arg-type]
+        check_key(f"{name}[{i}]", key)
+        j = seen.setdefault(key, i)
+        if j != i:
+            raise InvalidArgumentError(f"{name} names key {checks.describe(key)} twice (positions {j} and {i})")
+    return set(seen)
+
+
 def _bad_key(name: str, key: object) -> NoReturn:
     check_key(name, key)  # raises for every key the fast paths hand it
     raise AssertionError(f"{name}: {key!r} was sent to the slow check but passes it")
+
+
+# A frozen dataclass's generated __init__ sets each field through object.__setattr__
+# by name; on the store's hottest return values that was half a microsecond per call.
+# Writing the slots through their member descriptors gives the same object for
+# about a third of that (benchmarks/bench_store.py).
+_new = object.__new__
+_set_medium = LoadStoreSpec.medium.__set__  # type: ignore[attr-defined]
+_set_block_ids = LoadStoreSpec.block_ids.__set__  # type: ignore[attr-defined]
+_set_keys_to_store = PrepareStoreOutput.keys_to_store.__set__  # type: ignore[attr-defined]
+_set_store_spec = PrepareStoreOutput.store_spec.__set__  # type: ignore[attr-defined]
+_set_evicted_keys = PrepareStoreOutput.evicted_keys.__set__  # type: ignore[attr-defined]
+
+
+def make_spec(medium: str, block_ids: tuple[int, ...]) -> LoadStoreSpec:
+    """``LoadStoreSpec(medium, block_ids)``, built without the generated ``__init__`` (same object, faster)."""
+    spec = _new(LoadStoreSpec)
+    _set_medium(spec, medium)
+    _set_block_ids(spec, block_ids)
+    return spec
+
+
+def make_prepare_output(
+    keys_to_store: list[Key], medium: str, block_ids: tuple[int, ...], evicted_keys: list[Key]
+) -> PrepareStoreOutput:
+    """``PrepareStoreOutput(keys_to_store, LoadStoreSpec(medium, block_ids), evicted_keys)``, built fast.
+
+    Built as :func:`make_spec` builds, both records in one call.
+    """
+    spec = _new(LoadStoreSpec)
+    _set_medium(spec, medium)
+    _set_block_ids(spec, block_ids)
+    out = _new(PrepareStoreOutput)
+    _set_keys_to_store(out, keys_to_store)
+    _set_store_spec(out, spec)
+    _set_evicted_keys(out, evicted_keys)
+    return out
+
+
+@dataclass(slots=True, eq=False)
+class RequestContext:
+    """One request, as the stores see it (vLLM 0.33's ``ReqContext``, without its transfer parameters).
+
+    It carries the end-token position of each of the request's keys, so that a
+    store can rank a request's blocks by prefix order even when its stores arrive
+    out of order: a request's tail is worth less than its head, because a later
+    block is useless without every block before it.
+
+    A key's position is fixed once set (it is where the block ends in the
+    request's token sequence): moving it is a caller's bug, so it raises
+    :class:`~tiered_kv.errors.RequestStateError` and changes nothing.  Two keys
+    of one request share a position only in vLLM's hybrid models (one key per
+    KV cache group, which we do not claim); the LRU policy then breaks the tie
+    by comparing the keys, as vLLM does, so such keys must be orderable.
+
+    Attributes:
+        req_id: The request's id; a store tracks at most one open request per id.
+    """
+
+    req_id: Hashable
+    _positions: dict[Key, int] = field(default_factory=dict, repr=False)
+
+    def set_position(self, key: Key, end_token: int) -> None:
+        """Record that ``key``'s block ends at token ``end_token`` (>= 1) of this request.
+
+        Raises:
+            InvalidArgumentError: ``key`` is not a key or ``end_token`` not a count >= 1.
+            RequestStateError: ``key`` already has another position.
+        """
+        check_key("key", key)
+        checks.count("end_token", end_token, 1)
+        old = self._positions.get(key)
+        if old is not None and old != end_token:
+            raise RequestStateError(
+                f"request {self.req_id!r}: key {checks.describe(key)} already ends at token {old}, "
+                f"cannot move it to {end_token}"
+            )
+        self._positions[key] = end_token
+
+    def set_positions(self, keys: Sequence[Key], first_end: int, step: int) -> None:
+        """Positions for consecutive blocks: ``keys[i]`` ends at ``first_end + i * step``, all or nothing.
+
+        Raises:
+            InvalidArgumentError, RequestStateError: as :meth:`set_position`; nothing is recorded.
+        """
+        checks.count("first_end", first_end, 1)
+        checks.count("step", step, 1)
+        keys = check_keys("keys", keys)
+        positions = self._positions
+        if positions.keys().isdisjoint(keys):
+            # None set yet (every admission's call): nothing to check, one C-level test instead of a lookup per key.
+            positions.update(zip(keys, range(first_end, first_end + len(keys) * step, step), strict=True))
+            return
+        for i, key in enumerate(keys):
+            end = first_end + i * step
+            old = positions.get(key)
+            if old is not None and old != end:
+                raise RequestStateError(
+                    f"request {self.req_id!r}: key {checks.describe(key)} (keys[{i}]) already ends at token {old}, "
+                    f"cannot move it to {end}"
+                )
+        positions.update(zip(keys, range(first_end, first_end + len(keys) * step, step), strict=True))
+
+    def position(self, key: Key) -> int | None:
+        """The end token set for ``key``, or ``None``."""
+        return self._positions.get(key)
+
+
+@dataclass(slots=True, eq=False)
+class RequestAccess:
+    """One open request's observations in one store (vLLM 0.33's ``_RequestCacheAccess``).
+
+    The store hands them to the cache policy when the request finishes, so a
+    policy can tell a block a request merely inserted from one it reused; a
+    policy reads them and keeps one number of its own here (the LRU request rank).
+
+    Attributes:
+        context: The request's context (its id and its keys' positions).
+        order: Keys first seen by a load or a store of this request, in the order seen.
+        seen: ``set(order)``.
+        inserted: Keys this request's stores reserved.
+        reused: Ready keys this request read or offered again, that it had not inserted itself.
+        store_misses: Keys this request offered while absent (a policy learns from each once).
+        offered_present: Keys this request offered while resident; with ``store_misses``, every key it
+            named to ``prepare_store`` (what ``complete_store`` may name).  Kept apart so that a fresh
+            offer, the common one, updates one set instead of two.
+        rank: The LRU policy's request rank; 0 until it assigns one.
+    """
+
+    context: RequestContext
+    order: list[Key] = field(default_factory=list)
+    seen: set[Key] = field(default_factory=set)
+    inserted: set[Key] = field(default_factory=set)
+    reused: set[Key] = field(default_factory=set)
+    store_misses: set[Key] = field(default_factory=set)
+    offered_present: set[Key] = field(default_factory=set)
+    rank: int = 0
+
+    def reset(self) -> None:
+        """Forget every observation (the store was reset); the request stays open."""
+        self.order.clear()
+        self.seen.clear()
+        self.inserted.clear()
+        self.reused.clear()
+        self.store_misses.clear()
+        self.offered_present.clear()
+        self.rank = 0
+
+    def prefix_order(self) -> list[Key]:
+        """The seen keys head to tail: by position when every one has one, else in the order seen."""
+        pos = self.context._positions
+        keys = self.order
+        if pos.keys() >= self.seen:  # every seen key has a position (``seen`` is ``set(order)``), tested in C
+            return sorted(keys, key=pos.__getitem__)
+        return list(keys)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +340,18 @@ class StoreUsage:
     allocation_sizes: tuple[int, ...]
 
 
-class CPUStore(BlockStore):
+class CPUStore:
     """Pinned-CPU blocks keyed by block hash, with a pluggable cache policy and request scope.
+
+    Invariants (the disk and remote stores keep them too):
+
+    * ``num_used + num_free == capacity``; each slot is held by at most one key.
+    * A pending entry is neither loadable nor evictable: its bytes are still
+      being written, so a load would read garbage and an eviction would hand the
+      slot to a second writer while the first copy still runs.
+    * A pinned entry (``ref_cnt > 0``) is never evicted or removed: a copy is
+      reading its slot.
+    * A refused call (``None`` returned, or an error raised) changes nothing.
 
     Slot hand-out (vLLM's, shifted by one): never-used ids first, in ascending
     order from 1, then freed ids, last freed first.  Freed ids are pushed in the
@@ -78,12 +359,15 @@ class CPUStore(BlockStore):
     ``remove`` and failed stores.
 
     Requests (vLLM 0.33's request scope): a caller opens a request with
-    :meth:`on_new_request`, passes its :class:`~tiered_kv.tiers.store.RequestContext`
+    :meth:`on_new_request`, passes its :class:`RequestContext`
     to ``prepare_load`` / ``prepare_store`` / ``touch`` (which then count as that
     request's uses, ranked by the keys' positions), and closes it with
     :meth:`on_request_finished`, when the policy commits the request's
     recency.  ``complete_load`` and ``complete_store`` may come after the finish
     (copies in flight).  A call without a request is a use of no request.
+
+    Attributes:
+        medium: The name copy engines know the medium by (``"CPU"``; a lower tier's own below it).
 
     Args:
         num_blocks: Slot ids in the medium, including the reserved id 0 (>= 1);
@@ -132,6 +416,21 @@ class CPUStore(BlockStore):
 
         self._evictable = evictable
         self._policy: CachePolicy = make_cache_policy(policy, num_blocks - 1, ready, policy_module_path)
+        # Hooks left at the base's no-ops are not called: ARC learns at a request's finish and reads
+        # evictability from the predicate at eviction, so its loads and completed stores call nothing.
+        cls, base = type(self._policy), CachePolicy
+        self._on_access = None if cls.on_request_access is base.on_request_access else self._policy.on_request_access
+        self._mark_evictable = (
+            None
+            if cls.mark_evictable_all is base.mark_evictable_all and cls.mark_evictable is base.mark_evictable
+            else self._policy.mark_evictable_all
+        )
+        self._mark_non_evictable = (
+            None
+            if cls.mark_non_evictable_all is base.mark_non_evictable_all
+            and cls.mark_non_evictable is base.mark_non_evictable
+            else self._policy.mark_non_evictable_all
+        )
 
     def __repr__(self) -> str:
         return (
@@ -212,13 +511,15 @@ class CPUStore(BlockStore):
         if new:
             seen.update(new)
             rec.order.extend(new)
-            self._policy.on_request_access(new, rec)
+            if self._on_access is not None:
+                self._on_access(new, rec)
         if reused:
             inserted = rec.inserted
             rec.reused.update(reused if inserted.isdisjoint(reused) else reused - inserted)
 
     # ------------------------------------------------------------------ queries
     def lookup(self, key: Key, req: RequestContext | None = None) -> LookupResult:
+        """Whether ``key`` is ready, pending or absent (counted in :attr:`stats`)."""
         # The same checks as check_key, inlined: this is called once per block of every prompt.
         if key is None or key is True or key is False:
             _bad_key("key", key)
@@ -236,6 +537,7 @@ class CPUStore(BlockStore):
         return _MISS
 
     def lookup_prefix(self, keys: Sequence[Key]) -> int:
+        """How many leading ``keys`` are ready; a pending key ends the prefix (its bytes cannot be loaded yet)."""
         keys = check_keys("keys", keys)
         slots, pending = self._slots, self._pending
         n = 0
@@ -293,6 +595,7 @@ class CPUStore(BlockStore):
         return self.num_free + self.num_evictable - protected_evictable
 
     def missing(self, keys: Sequence[Key]) -> list[int]:
+        """Indexes of the ``keys`` that are not resident (not even pending), in order, without counting queries."""
         try:  # priced per preemption candidate: keys are checked only as far as the answer needs
             out = [i for i, key in enumerate(keys) if key not in self._slots]  # type: ignore[arg-type]
         except TypeError:
@@ -314,30 +617,58 @@ class CPUStore(BlockStore):
     def prepare_load(self, keys: Sequence[Key], req: RequestContext | None = None) -> LoadStoreSpec:
         """Pin every key (one more load each) and return their slots; with ``req``, a use by that request.
 
+        Pins keep the slots from being evicted or removed until
+        :meth:`complete_load`.  Without a request, recency is not changed here
+        (call :meth:`touch`).
+
         Raises:
             BlockStateError: a key is absent or pending.
             RequestStateError: ``req`` is not open.  Nothing changes in either case.
         """
         keys, named = keys_and_set("keys", keys)
-        rec = self._request(req, "load") if req is not None else None
+        rec = None
+        if req is not None:
+            rec = self._requests.get(req.req_id) if req.__class__ is RequestContext else None
+            if rec is None or rec.context is not req:  # _request's checks, as in prepare_store
+                rec = self._request(req, "load")
         slots, pins, pending = self._slots, self._pins, self._pending
         # Set comparisons run in C: a generator per key was a tenth of the load's time.
         if not (slots.keys() >= named and pending.isdisjoint(named)):
             self._refuse("load", keys)
         if pins.keys().isdisjoint(named):  # the common case: no key is being loaded already
             pins.update(dict.fromkeys(keys, 1))
-            self._policy.mark_non_evictable_all(keys)
+            if self._mark_non_evictable is not None:
+                self._mark_non_evictable(keys)
         else:
             idle = [key for key in keys if key not in pins]
             for key in keys:
                 pins[key] = pins.get(key, 0) + 1
-            if idle:
-                self._policy.mark_non_evictable_all(idle)
+            if idle and self._mark_non_evictable is not None:
+                self._mark_non_evictable(idle)
         if rec is not None:
-            self._observe(rec, keys, named, named)
-        return make_spec(self.medium, tuple(map(slots.__getitem__, keys)))
+            seen = rec.seen
+            if seen.isdisjoint(named):  # _observe's common case, inlined: a first load of these keys
+                seen.update(named)
+                rec.order.extend(keys)
+                if self._on_access is not None:
+                    self._on_access(keys, rec)
+                inserted = rec.inserted
+                rec.reused.update(named if inserted.isdisjoint(named) else named - inserted)
+            else:
+                self._observe(rec, keys, named, named)
+        spec = _new(LoadStoreSpec)  # make_spec, inlined
+        _set_medium(spec, self.medium)
+        _set_block_ids(spec, tuple(map(slots.__getitem__, keys)))
+        return spec
 
     def touch(self, keys: Sequence[Key], req: RequestContext | None = None) -> None:
+        """Record a use of ``keys``; unknown keys are ignored.
+
+        Keys are walked in reverse, so the *first* key ends most recent.  The
+        keys of one request form a prefix chain, and a later block is useless
+        without every block before it: evicting from the tail of a chain first
+        keeps the longest loadable prefix.
+        """
         keys = check_keys("keys", keys)
         rec = self._request(req, "touch") if req is not None else None
         self._policy.touch(keys, rec)
@@ -366,14 +697,16 @@ class CPUStore(BlockStore):
                 idle.append(key)
             else:
                 pins[key] = n - 1
-        if idle:
-            self._policy.mark_evictable_all(idle)
+        if idle and self._mark_evictable is not None:
+            self._mark_evictable(idle)
 
     # ------------------------------------------------------------------- stores
     def prepare_store(self, keys: Sequence[Key], req: RequestContext | None = None) -> PrepareStoreOutput | None:
         """Reserve a slot for each absent key, evicting by policy; with ``req``, that request's offer.
 
-        Present keys are skipped and protected.  As in vLLM 0.33, the offer is
+        Present keys (pending or ready) are skipped and protected: the eviction
+        never picks one of the given keys, because the caller is about to rely
+        on them.  New entries are pending until :meth:`complete_store`.  As in vLLM 0.33, the offer is
         observed (ARC learns from ghosts, the request records what it saw)
         before the store knows whether it fits.
 
@@ -385,35 +718,64 @@ class CPUStore(BlockStore):
             RequestStateError: ``req`` is not open; nothing changes.
         """
         keys, named = keys_and_set("keys", keys)
-        rec = self._request(req, "store") if req is not None else None
-        slots, pending = self._slots, self._pending
-        # A fresh chunk (no key resident) is the common offer: one C-level test instead of a filter.
-        fresh = slots.keys().isdisjoint(named)
-        to_store = list(keys) if fresh else [key for key in keys if key not in slots]
-        policy = self._policy
-        if rec is not None:
-            misses = rec.store_misses
-            new = to_store if misses.isdisjoint(named) else [key for key in to_store if key not in misses]
-            if new:
-                policy.on_store_miss(new, rec)
-                misses.update(new)
-            rec.offered.update(named)
-            if fresh:
-                self._observe(rec, keys, named, None)
+        rec = None
+        if req is not None:
+            # _request's checks, inlined for the common case (the exact class, an open request).
+            rec = self._requests.get(req.req_id) if req.__class__ is RequestContext else None
+            if rec is None or rec.context is not req:
+                rec = self._request(req, "store")
+        if not named:
+            return make_prepare_output([], self.medium, (), [])
+        slots, pending, policy = self._slots, self._pending, self._policy
+        if slots.keys().isdisjoint(named):
+            # A fresh chunk (no key resident), the common offer: whole-set updates in C, no filter per key.
+            to_store = list(keys)
+            if rec is not None:
+                misses, seen = rec.store_misses, rec.seen
+                if seen.isdisjoint(named):  # then so are the misses: every store miss is seen
+                    policy.on_store_miss(to_store, rec)
+                    misses.update(named)
+                    seen.update(named)
+                    rec.order.extend(keys)
+                    if self._on_access is not None:
+                        self._on_access(keys, rec)
+                else:
+                    new = [key for key in to_store if key not in misses]
+                    if new:
+                        policy.on_store_miss(new, rec)
+                        misses.update(new)
+                    new = [key for key in keys if key not in seen]
+                    if new:
+                        seen.update(new)
+                        rec.order.extend(new)
+                        if self._on_access is not None:
+                            self._on_access(new, rec)
             else:
-                ready = [key for key in keys if key in slots and key not in pending]
+                policy.on_store_miss(to_store, None)
+        else:
+            to_store = [key for key in keys if key not in slots]
+            if rec is not None:
+                misses = rec.store_misses
+                new = to_store if misses.isdisjoint(named) else [key for key in to_store if key not in misses]
+                if new:
+                    policy.on_store_miss(new, rec)
+                    misses.update(new)
+                present = [key for key in keys if key in slots]
+                rec.offered_present.update(present)
+                ready = [key for key in present if key not in pending]
                 if ready:
                     keep = set(to_store)
                     keep.update(ready)
                     self._observe(rec, [key for key in keys if key in keep], keep, set(ready))
                 elif to_store:
                     self._observe(rec, to_store, set(to_store), None)
-        elif to_store:
-            policy.on_store_miss(to_store, None)
-        if not to_store:
-            return make_prepare_output([], self.medium, (), [])
-        self._allocation_sizes.append(len(to_store))
-        need = len(to_store) - self._capacity + len(slots)
+            elif to_store:
+                policy.on_store_miss(to_store, None)
+            if not to_store:
+                return make_prepare_output([], self.medium, (), [])
+        n = len(to_store)
+        self._allocation_sizes.append(n)
+        need = n - self._capacity + len(slots)
         if need > 0:
             if need > len(slots) - len(pending) - len(self._pins):
                 return None
@@ -426,7 +788,12 @@ class CPUStore(BlockStore):
                 self._events.append(StoreEvent(list(evicted), self.medium, True))
         else:
             evicted = []
-        block_ids = self._allocate(len(to_store))
+        start = self._next_fresh
+        if start + n <= self._num_blocks:  # never-used ids left: _allocate's first case, inlined
+            self._next_fresh = start + n
+            block_ids: tuple[int, ...] = tuple(range(start, start + n))
+        else:
+            block_ids = self._allocate(n)
         slots.update(zip(to_store, block_ids, strict=True))
         pending.update(to_store)
         policy.insert_all(to_store, rec)
@@ -438,7 +805,8 @@ class CPUStore(BlockStore):
         """Finish stores: pending keys become ready, or with ``success=False`` are dropped.
 
         Keys that are not pending are ignored, as in vLLM: a caller may pass the
-        whole collection it offered.  With an open ``req``, a key that is absent
+        whole collection it offered (a completion for a key this store never
+        reserved is not reported).  With an open ``req``, a key that is absent
         and that ``req`` never offered is a caller's bug.
 
         Raises:
@@ -453,11 +821,11 @@ class CPUStore(BlockStore):
                 checks.instance("req", req, RequestContext)
             rec = self._requests.get(req.req_id)
             if rec is not None and rec.context is req:
-                slots, offered = self._slots, rec.offered
-                # Nearly always every key was offered: one C-level subset test, the per-key scan
-                # (which names the culprit) only when it fails.
-                for i, key in enumerate(() if offered.issuperset(named) else keys):
-                    if key not in slots and key not in offered:
+                slots, misses, present = self._slots, rec.store_misses, rec.offered_present
+                # Nearly always every key was offered while absent: one C-level subset test, the per-key
+                # scan (which names the culprit) only when it fails.
+                for i, key in enumerate(() if misses.issuperset(named) else keys):
+                    if key not in slots and key not in misses and key not in present:
                         raise BlockStateError(
                             f"cannot complete the store of key {checks.describe(key)} (keys[{i}]) in the "
                             f"{self.medium} store: request {req.req_id!r} never prepared it"
@@ -468,11 +836,11 @@ class CPUStore(BlockStore):
         if not done:
             return
         pending.difference_update(done)
-        policy = self._policy
         if success:
-            policy.mark_evictable_all(done)
+            if self._mark_evictable is not None:
+                self._mark_evictable(done)
         else:
-            slots, free, remove = self._slots, self._free_ids, policy.remove
+            slots, free, remove = self._slots, self._free_ids, self._policy.remove
             for key in done:
                 remove(key)
                 free.append(slots.pop(key))
@@ -480,6 +848,11 @@ class CPUStore(BlockStore):
             self._events.append(StoreEvent(done, self.medium, not success, not success))
 
     def remove(self, keys: Sequence[Key]) -> None:
+        """Drop ready, unpinned entries now (private blocks whose owner is done).
+
+        Raises:
+            BlockStateError: A key is absent, pending or pinned; nothing changes.
+        """
         keys = check_keys("keys", keys)
         slots = self._slots
         if not all(key in slots and key not in self._pending for key in keys):
@@ -500,6 +873,7 @@ class CPUStore(BlockStore):
             self._events.append(StoreEvent(list(keys), self.medium, True))
 
     def take_events(self) -> list[StoreEvent]:
+        """Return the queued events (oldest first) and start a new batch."""
         events, self._events = self._events, []
         out = []
         slots = self._slots
@@ -560,26 +934,47 @@ class CPUStore(BlockStore):
     # ------------------------------------------------------------------- gauges
     @property
     def num_blocks(self) -> int:
+        """Slot ids in the medium, including the reserved id 0."""
         return self._num_blocks
 
     @property
+    def capacity(self) -> int:
+        """Blocks the store can hold: ``num_blocks - 1`` (slot 0 is reserved)."""
+        return self._capacity
+
+    @property
     def num_used(self) -> int:
+        """Slots held by an entry, pending or ready."""
         return len(self._slots)
 
     @property
+    def num_free(self) -> int:
+        """Slots held by no entry."""
+        return self._capacity - len(self._slots)
+
+    @property
+    def usage(self) -> float:
+        """``num_used / capacity``: occupied slots, evictable ones included (0 for a store of no capacity)."""
+        return len(self._slots) / self._capacity if self._capacity else 0.0
+
+    @property
     def num_pinned(self) -> int:
+        """Entries with a load in flight (``ref_cnt > 0``)."""
         return len(self._pins)
 
     @property
     def num_pending(self) -> int:
+        """Entries whose store is in flight."""
         return len(self._pending)
 
     @property
     def num_evictable(self) -> int:
+        """Ready entries with no load in flight: what eviction may pick from."""
         return len(self._slots) - len(self._pending) - len(self._pins)
 
     @property
     def stats(self) -> StoreStats:
+        """Cumulative hit/query/eviction counters."""
         hits, pending_hits = self._hits, self._pending_hits
         return StoreStats(hits + pending_hits + self._misses, hits, pending_hits, self._evictions)
 
@@ -593,10 +988,12 @@ class CPUStore(BlockStore):
         return [*range(self._next_fresh, self._num_blocks), *reversed(self._free_ids)]
 
     def entries(self) -> list[StoreEntry]:
+        """Every resident entry, in the policy's order (LRU: least recent first)."""
         slots, pending, pins = self._slots, self._pending, self._pins
         return [StoreEntry(key, slots[key], key not in pending, pins.get(key, 0)) for key in self._policy.order()]
 
     def check_invariants(self) -> None:
+        """Assert the store's invariants (O(num_blocks); for tests and debugging)."""
         slots, pending, pins = self._slots, self._pending, self._pins
         order = self._policy.order()
         assert len(order) == len(slots) and set(order) == set(slots), "policy and slots disagree"

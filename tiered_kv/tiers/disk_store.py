@@ -83,7 +83,7 @@ def shard_of(name: str) -> str:
 
 
 class DiskStore(KeyedStore):
-    """A :class:`~tiered_kv.tiers.store.BlockStore` of block files in a local directory.
+    """A :class:`~tiered_kv.tiers.cpu_store.CPUStore` of block files in a local directory.
 
     Args:
         root: The directory that holds one subdirectory per namespace (created if missing).

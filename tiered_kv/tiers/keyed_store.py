@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 from tiered_kv import checks
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, PlanError
-from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore, check_keys
 from tiered_kv.tiers.namespace import MAX_KEY_BYTES, encodable
-from tiered_kv.tiers.store import Key, PrepareStoreOutput, check_keys
+from tiered_kv.tiers.store import Key, PrepareStoreOutput
 
 
 class KeyedStore(CPUStore):

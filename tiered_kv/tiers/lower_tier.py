@@ -14,8 +14,8 @@ from typing import Any
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.link import TierLink
-from tiered_kv.tiers.store import BlockStore
 from tiered_kv.tiers.write_policy import check_write_policy
 
 
@@ -24,7 +24,7 @@ class LowerTier:
     """A store below the CPU with the engine that moves its bytes and the link that prices its loads.
 
     Attributes:
-        store: The tier's :class:`BlockStore`; its ``medium`` names the tier.
+        store: The tier's :class:`CPUStore`; its ``medium`` names the tier.
         io: Its I/O engine (``submit`` and ``cancel``): moves blocks between the
             CPU tier's tensor and the store's medium.
         link: How fast its blocks come into the CPU tier (loads are priced with it).
@@ -36,14 +36,14 @@ class LowerTier:
             recent evictable blocks are kept held here (at most what this tier holds).
     """
 
-    store: BlockStore
+    store: CPUStore
     io: Any
     link: TierLink
     write_policy: str = "write_back"
     writeback_reserve: int = 16
 
     def __post_init__(self) -> None:
-        checks.instance("LowerTier.store", self.store, BlockStore)
+        checks.instance("LowerTier.store", self.store, CPUStore)
         if not all(callable(getattr(self.io, n, None)) for n in ("submit", "cancel")):
             raise InvalidArgumentError(f"LowerTier.io must have submit() and cancel(), got {checks.describe(self.io)}")
         checks.instance("LowerTier.link", self.link, TierLink)

@@ -48,10 +48,11 @@ from typing import Any
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError, MissingDependencyError
+from tiered_kv.tiers.cpu_store import check_key, check_keys
 from tiered_kv.tiers.keyed_store import KeyedStore
 from tiered_kv.tiers.namespace import KVNamespace, encodable, key_name
 from tiered_kv.tiers.redis_health import HealthStats, RedisHealth
-from tiered_kv.tiers.store import Key, LookupResult, StoreStats, check_key, check_keys
+from tiered_kv.tiers.store import Key, LookupResult, StoreStats
 
 
 def redis_module() -> Any:
@@ -96,7 +97,7 @@ class RedisStoreStats:
 
 
 class RedisStore(KeyedStore):
-    """A :class:`~tiered_kv.tiers.store.BlockStore` over a shared Redis server.
+    """A :class:`~tiered_kv.tiers.cpu_store.CPUStore` over a shared Redis server.
 
     Args:
         client: A ``redis.Redis`` client (any object with its ``pipeline``,

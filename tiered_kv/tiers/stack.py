@@ -21,7 +21,6 @@ from tiered_kv.storage.kv_storage import KVStorage
 from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.tiers.namespace import KVNamespace
-from tiered_kv.tiers.store import BlockStore
 from tiered_kv.tiers.tier_kind import TierConfig
 
 
@@ -73,8 +72,8 @@ class TierStack:
                 f"the CPU tier's tensor ({cpu_storage.num_blocks} blocks of {cpu_storage.spec}) does not match its "
                 f"store ({cpu_store.num_blocks} blocks) and the namespace's KV spec ({namespace.spec})"
             )
-        self._built: list[tuple[BlockStore, Any]] = []
-        built: dict[int, tuple[BlockStore, Any]] = {}
+        self._built: list[tuple[CPUStore, Any]] = []
+        built: dict[int, tuple[CPUStore, Any]] = {}
         try:
             # Lowest first: a remote tier checks its arguments and connects lazily, so a refusal
             # there comes before a tier above it has made any file.
@@ -90,7 +89,7 @@ class TierStack:
         )
 
     @property
-    def stores(self) -> dict[str, BlockStore]:
+    def stores(self) -> dict[str, CPUStore]:
         """Medium -> the store of that tier."""
         return {e.medium: e.store for e in self.entries}
 

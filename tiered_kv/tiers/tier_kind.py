@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.link import TierLink
 from tiered_kv.tiers.namespace import KVNamespace
-from tiered_kv.tiers.store import BlockStore
 from tiered_kv.tiers.write_policy import check_write_policy
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class TierConfig:
         """The link loads from this tier are priced with."""
         return self.link if self.link is not None else self.default_link
 
-    def build(self, namespace: KVNamespace, cpu_storage: KVStorage) -> tuple[BlockStore, Any]:
+    def build(self, namespace: KVNamespace, cpu_storage: KVStorage) -> tuple[CPUStore, Any]:
         """Open the tier: its store and its I/O engine (which stages through ``cpu_storage``).
 
         The caller owns both (it closes the engine, then the store when the

@@ -44,10 +44,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tiered_kv.integrations.vllm import _vllm  # noqa: F401  (a clear error where vLLM is missing)
 from tiered_kv.manager.pricing import CostModel, LoadQuote, price_load
-from tiered_kv.tiers.cpu_store import CPUStore
+from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
 from tiered_kv.tiers.link import TierLink
 from tiered_kv.tiers.store import LookupResult as StoreLookup
-from tiered_kv.tiers.store import RequestContext
 
 _LOOKUP = {StoreLookup.HIT: LookupResult.HIT, StoreLookup.HIT_PENDING: LookupResult.HIT_PENDING}
 

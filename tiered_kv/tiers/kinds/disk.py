@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from tiered_kv import checks
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.disk_store import DiskStore
 from tiered_kv.tiers.link import TierLink
 from tiered_kv.tiers.namespace import KVNamespace
-from tiered_kv.tiers.store import BlockStore
 from tiered_kv.tiers.tier_kind import TierConfig, register_tier_kind
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ class DiskTierConfig(TierConfig):
 
         checks.choice("DiskTierConfig.fsync", self.fsync, FSYNC_POLICIES)
 
-    def build(self, namespace: KVNamespace, cpu_storage: KVStorage) -> tuple[BlockStore, Any]:
+    def build(self, namespace: KVNamespace, cpu_storage: KVStorage) -> tuple[CPUStore, Any]:
         from tiered_kv.tiers.disk_io import DiskIO
 
         store = DiskStore(self.path, namespace, self.capacity_bytes)

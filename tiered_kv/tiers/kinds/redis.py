@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.link import TierLink
 from tiered_kv.tiers.namespace import KVNamespace
-from tiered_kv.tiers.store import BlockStore
 from tiered_kv.tiers.tier_kind import TierConfig, register_tier_kind
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class RedisTierConfig(TierConfig):
     server: Any
     ttl_s: float | None = None
 
-    def build(self, namespace: KVNamespace, cpu_storage: KVStorage) -> tuple[BlockStore, Any]:
+    def build(self, namespace: KVNamespace, cpu_storage: KVStorage) -> tuple[CPUStore, Any]:
         from tiered_kv.tiers.redis_io import RedisIO
         from tiered_kv.tiers.redis_store import RedisStore
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 from tiered_kv.tiers.policies.base import CachePolicy, Predicate
-from tiered_kv.tiers.request_access import RequestAccess
 from tiered_kv.tiers.store import Key
+
+if TYPE_CHECKING:  # the store owns these records and imports the policies
+    from tiered_kv.tiers.cpu_store import RequestAccess
 
 _MISSING = object()
 
@@ -96,19 +99,13 @@ class ARCPolicy(CachePolicy):
         # ``insert`` per key, without a method call per key; with no ghosts (most of a run
         # below capacity) there is nothing to clear, so T1 takes the keys in one C-level update.
         t1, b1, b2 = self._t1, self._b1, self._b2
-        if b1 or b2:
+        if (b1 or b2) and not (b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys)):
             for key in keys:
                 t1[key] = None
                 b1.pop(key, None)
                 b2.pop(key, None)
-        else:
+        else:  # no key is a ghost (the common case): T1 takes the keys in one C-level update
             t1.update(dict.fromkeys(keys))
-
-    def mark_evictable_all(self, keys: Sequence[Key]) -> None:
-        return  # ARC reads evictability from the store's predicate at eviction: nothing to do per key
-
-    def mark_non_evictable_all(self, keys: Sequence[Key]) -> None:
-        return
 
     def remove(self, key: Key) -> None:
         if self._t1.pop(key, _MISSING) is _MISSING:
@@ -124,7 +121,8 @@ class ARCPolicy(CachePolicy):
             b2.move_to_end(key)
 
     def on_store_miss(self, keys: Sequence[Key], req: RequestAccess | None) -> None:
-        if self._b1 or self._b2:
+        b1, b2 = self._b1, self._b2
+        if (b1 or b2) and not (b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys)):
             for key in reversed(keys):
                 self._adapt(key)
 
@@ -167,34 +165,49 @@ class ARCPolicy(CachePolicy):
         self._target = 0.0
 
     def evict(self, n: int, protected: Collection[Key], evictable: Predicate) -> list[Key] | None:
-        picked: list[tuple[Key, bool]] = []  # (key, came from T1)
-        t1_size = len(self._t1)
-        target = int(self._target)
-        t1_scan: Iterator[Key] = (k for k in self._t1 if evictable(k) and k not in protected)
-        t2_scan: Iterator[Key] = (k for k in self._t2 if evictable(k) and k not in protected)
-        while len(picked) < n:
-            key = next(t1_scan, None) if t1_size >= target else None
-            if key is not None:
-                picked.append((key, True))
-                t1_size -= 1
-                continue
-            key = next(t2_scan, None)
-            if key is not None:
-                picked.append((key, False))
-                continue
-            key = next(t1_scan, None)  # T2 has nothing evictable: fall back to T1
-            if key is None:
+        # The picks one by one, in phases: T1 is picked from while its size, counting keys already
+        # picked as gone, is at least the target (it only shrinks, so that is a first run of picks);
+        # then T2; then T1 again, continuing its scan.  Plain loops, so no generator frame is resumed
+        # per scanned key (the picks are the same as taking them one at a time from two scans).
+        t1, t2 = self._t1, self._t2
+        scan1 = iter(t1)
+        first: list[Key] = []
+        room = min(n, len(t1) - int(self._target) + 1)
+        if room > 0:
+            for key in scan1:
+                if key not in protected and evictable(key):
+                    first.append(key)
+                    if len(first) == room:
+                        break
+        second: list[Key] = []
+        left = n - len(first)
+        if left:
+            for key in t2:
+                if key not in protected and evictable(key):
+                    second.append(key)
+                    if len(second) == left:
+                        break
+            left -= len(second)
+        third: list[Key] = []
+        if left:
+            for key in scan1:  # T2 has nothing (more) evictable: fall back to T1
+                if key not in protected and evictable(key):
+                    third.append(key)
+                    if len(third) == left:
+                        break
+            if len(third) < left:
                 return None
-            picked.append((key, True))
-            t1_size -= 1
-        for key, from_t1 in picked:
-            if from_t1:
-                del self._t1[key]
-                self._b1[key] = None
-            else:
-                del self._t2[key]
-                self._b2[key] = None
+        b1, b2 = self._b1, self._b2
+        for key in first:
+            del t1[key]
+            b1[key] = None
+        for key in second:
+            del t2[key]
+            b2[key] = None
+        for key in third:
+            del t1[key]
+            b1[key] = None
         for ghosts in (self._b1, self._b2):
             for _ in range(len(ghosts) - self.capacity):
                 ghosts.popitem(last=False)
-        return [key for key, _ in picked]
+        return first + second + third

@@ -7,7 +7,8 @@ tells the policy what it needs through two predicates given at construction
 ``mark_evictable`` / ``mark_non_evictable`` calls at every change of a key's
 evictability (made through their batched forms, ``mark_evictable_all`` /
 ``mark_non_evictable_all``, once per call of the store: a method call per key
-costs more than most policies' work for it).
+costs more than most policies' work for it).  A policy that leaves these hooks, or
+``on_request_access``, at the base's no-ops is not called for them at all (ARC).
 
 The hooks and when the store calls them are vLLM 0.33's:
 
@@ -22,7 +23,7 @@ The hooks and when the store calls them are vLLM 0.33's:
 * ``evict(n, protected, evictable)``: exactly ``n`` victims or ``None``;
 * ``clear()``: the store was reset.
 
-``req`` is the store's :class:`~tiered_kv.tiers.request_access.RequestAccess`, or
+``req`` is the store's :class:`~tiered_kv.tiers.cpu_store.RequestAccess`, or
 ``None`` for a call made without a request (then nothing is request-scoped).
 
 A user's policy subclasses :class:`CachePolicy` and is registered by name, or
@@ -33,12 +34,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Collection, Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from tiered_kv import checks
 from tiered_kv.errors import InvalidArgumentError
-from tiered_kv.tiers.request_access import RequestAccess
 from tiered_kv.tiers.store import Key
+
+if TYPE_CHECKING:  # the store owns these records and imports the policies
+    from tiered_kv.tiers.cpu_store import RequestAccess
 
 Predicate = Callable[[Key], bool]
 
