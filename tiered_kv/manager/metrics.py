@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from tiered_kv.core.block_pool import BlockPool
 from tiered_kv.manager.states import Residency
-from tiered_kv.tiers.cpu_store import CPUStore as BlockStore
+from tiered_kv.tiers.cpu_store import CPUStore
 
 
 @dataclass(slots=True)
@@ -151,7 +151,7 @@ def snapshot(
     counters: TierCounters,
     in_flight: int,
     pool: BlockPool,
-    store: BlockStore,
+    store: CPUStore,
     residencies: Iterable[Residency],
     lower_tiers: Mapping[str, LowerTierCounters] | None = None,
     chain_lost_blocks: int = 0,

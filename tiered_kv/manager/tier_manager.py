@@ -56,7 +56,6 @@ from tiered_kv.manager.victim_policy import (
 )
 from tiered_kv.storage.spec import KVSpec
 from tiered_kv.tiers.cpu_store import CPUStore, RequestContext
-from tiered_kv.tiers.cpu_store import CPUStore as BlockStore
 from tiered_kv.tiers.lower_tier import LowerTier
 from tiered_kv.tiers.store import Key
 from tiered_kv.transfer.engine import CopyEngine, GatedCopyEngine
@@ -1176,7 +1175,7 @@ class TierManager:
 
 def _check_ownership(
     gpu: KVCacheManager,
-    store: BlockStore,
+    store: CPUStore,
     transfers: Transfers,
     swapped: Mapping[Hashable, Sequence[Key] | None],
     other_pins: Mapping[Key, int] | None = None,

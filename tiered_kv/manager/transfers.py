@@ -37,7 +37,7 @@ from tiered_kv.core.kv_cache_manager import KVCacheManager
 from tiered_kv.core.request import Request
 from tiered_kv.errors import PlanError
 from tiered_kv.manager.pricing import CostModel, Quote, price
-from tiered_kv.tiers.cpu_store import CPUStore as BlockStore
+from tiered_kv.tiers.cpu_store import CPUStore
 from tiered_kv.tiers.store import Key, LoadStoreSpec
 from tiered_kv.transfer.engine import CopyEngine
 from tiered_kv.transfer.plan import CPU, GPU, PlanKind, TransferHandle, TransferPlan, TransferStatus
@@ -269,7 +269,7 @@ class Swapper:
     of a table's holders.
     """
 
-    def __init__(self, gpu: KVCacheManager, store: BlockStore, transfers: Transfers, caching: bool) -> None:
+    def __init__(self, gpu: KVCacheManager, store: CPUStore, transfers: Transfers, caching: bool) -> None:
         self.gpu = gpu
         self.store = store
         self.transfers = transfers
