@@ -295,7 +295,6 @@ def _report_regimes(
     """
     from tiered_kv.sim import run_tables
     from tiered_kv.sim.report import regime_verdict
-    from tiered_kv.sim.tier_report import has_tiers, tier_table
 
     summaries = []
     for k, (name, rate, expect, _) in enumerate(regimes):
@@ -308,9 +307,6 @@ def _report_regimes(
             if expect is not None and expect != verdict["regime"]:
                 emit(f"  note: this regime was meant to be {expect!r}, but the measurements say {verdict['regime']!r}")
         emit(run_tables.report(runs, legend=k == 0))
-        if has_tiers(runs):
-            emit("")
-            emit(tier_table(runs, legend=k == 0))
     return summaries
 
 
