@@ -180,4 +180,4 @@ def preemption_config(raw: Any, kv_bytes_per_token: int, block_size: int) -> Pre
             f"preemption.cost_model.prefill_tokens_per_s is required: {why}, and recompute time is "
             "prefill time (measure it, or take it from the simulator's step model)"
         )
-    return PreemptionConfig(cost_model, mode, policy, given)
+    return PreemptionConfig(cost_model, mode, policy)
