@@ -9,7 +9,6 @@ import torch
 from engineutil import HAS_CUDA, tiers
 from fakecuda import install_fake_cuda, install_fake_cupy
 
-from tiered_kv.bench.transfer import make_engine
 from tiered_kv.errors import ConfigError, InvalidArgumentError, TieredKVError, TransferError
 from tiered_kv.transfer import EngineUnavailableError, PlanKind, TransferPlan, available_kinds, make_copy_engine
 from tiered_kv.transfer.cpu_engine import CpuCopyEngine
@@ -58,9 +57,9 @@ def test_bench_transfer_never_reports_cpu_copies_under_a_gpu_engine_name(monkeyp
     t = tiers("block_contiguous")
     no_cuda(monkeypatch)
     with pytest.raises(EngineUnavailableError, match="TorchCudaCopyEngine cannot run here"):
-        make_engine(t, "cuda")
+        make_copy_engine(t, "cuda")
     with pytest.raises(InvalidArgumentError, match=r"kind must be one of \['auto', 'cpu', 'cuda', 'cupy'\]"):
-        make_engine(t, "gpu")
+        make_copy_engine(t, "gpu")
 
 
 def test_with_cuda_auto_gives_the_torch_engine_and_cupy_only_by_name(monkeypatch):

@@ -190,7 +190,7 @@ def test_every_line_fits_100_columns(wide):
 def test_every_column_is_in_the_legend_under_its_table_in_the_first_regime_only(wide):
     _, lines = wide
     out = printed(lines)
-    for t in (*run_tables.TABLES, trace_report_tiers()):
+    for t in (*run_tables.TABLES, run_tables.TIERS):
         first = out.index(t.title)
         assert out.index(t.title, first + 1) > first  # printed in both regimes
         legend = set(t.legend())
@@ -206,12 +206,6 @@ def test_every_column_is_in_the_legend_under_its_table_in_the_first_regime_only(
         # the second regime's table has no legend
         second = out.index(t.title, first + 1)
         assert not legend & set(out[second : second + 12])
-
-
-def trace_report_tiers() -> run_tables.Table:
-    from tiered_kv.sim.tier_report import TIERS
-
-    return TIERS
 
 
 def test_each_run_is_numbered_and_its_speed_ups_are_over_the_run_it_adds_to(wide):

@@ -121,7 +121,6 @@ class OverlapBench:
             for t in tiers.values():
                 t.byte_view().fill_(0)
         self.swap_bytes = 2 * self.n * spec.bytes_per_block
-        self.layer_bytes = 2 * self.ctx_blocks * mspec.segment_bytes
         self.next_id = 0
         self.side = torch.cuda.Stream() if self.cuda else None
 

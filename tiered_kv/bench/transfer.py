@@ -55,11 +55,6 @@ def check_engines(engines: Sequence[str]) -> None:
                 ) from None
 
 
-def make_engine(tiers: dict[str, KVStorage], name: str):
-    """The copy engine called ``name`` (one of :data:`ENGINES`) over ``tiers``; never a silent fallback."""
-    return make_copy_engine(tiers, name)
-
-
 def id_pattern(pattern: str, n: int, pool: int, rng: random.Random) -> tuple[list[int], list[int]]:
     """Source and destination ids: contiguous runs, or random scattered blocks of a pool."""
     if pattern == "contiguous":
@@ -150,7 +145,7 @@ def run_cases(
             tiers = _touched_tiers(s, layout, 2 * half)
             rng = random.Random(seed)
             for eng_name in engines:
-                engine = make_engine(tiers, eng_name)
+                engine = make_copy_engine(tiers, eng_name)  # by name: never a silent fallback
                 bench = _Bench(tiers, engine, repeats)
                 for case in _cases(n, half, n * s.bytes_per_block, rng):
                     rows.append(_time_case(bench, eng_name, layout, s, case, emit))

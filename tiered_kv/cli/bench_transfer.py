@@ -26,7 +26,7 @@ DESCRIPTION = (
     "For each layout, block size, id pattern and direction, time the copy engine and, in the same run, "
     "one contiguous copy of the same bytes between the same tiers.  Needs torch."
 )
-ENGINES = ENGINE_KINDS  # the copy engines bench_transfer.make_engine builds
+ENGINES = ENGINE_KINDS  # the copy engines make_copy_engine builds by name
 # Each case allocates a GPU and a CPU tier of about 4x the bytes it moves.
 TIER_BYTES_PER_CASE_BYTE = 8
 

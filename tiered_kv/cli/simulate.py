@@ -18,6 +18,7 @@ import multiprocessing
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,8 +38,11 @@ from tiered_kv.cli.outputs import add_output
 if TYPE_CHECKING:
     from tiered_kv.obs.recorder import Reading
     from tiered_kv.sim.calibration import Calibration
+    from tiered_kv.sim.config import RunSetup
     from tiered_kv.sim.progress import Progress
     from tiered_kv.sim.workload import SimRequest
+
+Done = Callable[[int, Any], None]
 
 NAME = "simulate"
 SUMMARY = "simulate every run of a config on one workload"
@@ -217,26 +221,43 @@ def _serial(
 
 
 def _parallel(tasks: list[Task], workers: int, prog: Progress, sizes: list[int], say: Callable[[str], None]) -> list:
+    def done(k: int, out: dict[str, Any]) -> None:
+        res = out["result"]
+        label = f"{tasks[k].regime}: {res['run']}" if tasks[k].regime else res["run"]
+        say(f"  {label}: {res['makespan_s']:.1f} simulated s in {res['wall_s']:.1f} wall s")
+        prog.advance(sizes[k], label)
+
+    return in_processes(run_task, tasks, workers, done, "simulate")
+
+
+def in_processes(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, done: Done, command: str) -> list[Any]:
+    """``fn(item)`` for every item in up to ``workers`` spawned processes; the results in item order.
+
+    ``done(k, result)`` hears of each item as it finishes (for progress).  Any error
+    cancels what has not started; a worker that dies (killed for memory) is a
+    :class:`~tiered_kv.sim.simulator.SimulationError` naming the likely fix.
+    """
+    from tiered_kv.sim.simulator import SimulationError
+
     # spawn, not fork: a forked child would inherit the progress thread's locks mid-use.
     ctx = multiprocessing.get_context("spawn")
-    outs: list[dict | None] = [None] * len(tasks)
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx) as pool:
-        futures = {pool.submit(run_task, t): k for k, t in enumerate(tasks)}
+    outs: list[Any] = [None] * len(items)
+    with ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx) as pool:
+        futures = {pool.submit(fn, item): k for k, item in enumerate(items)}
         pending = set(futures)
         try:
             while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for f in done:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for f in finished:
                     k = futures[f]
                     outs[k] = f.result()
-                    res = outs[k]["result"]  # type: ignore[index]
-                    label = f"{tasks[k].regime}: {res['run']}" if tasks[k].regime else res["run"]
-                    say(f"  {label}: {res['makespan_s']:.1f} simulated s in {res['wall_s']:.1f} wall s")
-                    prog.advance(sizes[k], label)
+                    done(k, outs[k])
+        except BrokenProcessPool:
+            raise SimulationError(f"a {command} worker process died (out of memory? try fewer --workers)") from None
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
-    return outs  # type: ignore[return-value]
+    return outs
 
 
 def _plan(
@@ -245,28 +266,24 @@ def _plan(
     requests_path: Path | None,
     timeline_path: Path | None,
     metrics_path: Path | None,
-) -> tuple[list[Task], list[int], list[tuple], dict[str | None, list[SimRequest]]]:
-    """One task per run and regime, each regime's workload built once; and what the header line needs."""
+) -> tuple[list[Task], list[int], dict[str | None, list[SimRequest]], list[RunSetup]]:
+    """One task per run and regime, each regime's workload built once; and the first regime's run setups."""
     from tiered_kv.sim.budget import build_workload
     from tiered_kv.sim.config import setup
-    from tiered_kv.sim.report import kv_demand
 
     tasks: list[Task] = []
     sizes: list[int] = []
-    heads = []
     workloads: dict[str | None, list[SimRequest]] = {}
-    for name, rate, _expect, cfg in regimes:
+    setups0: list[RunSetup] = []
+    for name, _rate, _expect, cfg in regimes:
         setups = [setup(cfg, i, cal) for i in range(len(cfg["runs"]))]
         workload = workloads[name] = build_workload(cfg, setups)  # sized and checked once per regime
-        first = setups[0]
-        ratio = kv_demand(first, workload)
-        where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
-        heads.append((name, rate, where, first, ratio, len(workload)))
+        setups0 = setups0 or setups
         for i in range(len(setups)):
             keep = (requests_path is not None, timeline_path is not None)
             tasks.append(Task(cfg, name, i, cal, *keep, len(tasks) + 1, metrics_path is not None))
             sizes.append(len(workload))
-    return tasks, sizes, heads, workloads
+    return tasks, sizes, workloads, setups0
 
 
 def _report_regimes(
@@ -278,7 +295,6 @@ def _report_regimes(
     """
     from tiered_kv.sim import run_tables
     from tiered_kv.sim.report import regime_verdict
-    from tiered_kv.sim.tier_report import has_tiers, tier_table
 
     summaries = []
     for k, (name, rate, expect, _) in enumerate(regimes):
@@ -291,9 +307,6 @@ def _report_regimes(
             if expect is not None and expect != verdict["regime"]:
                 emit(f"  note: this regime was meant to be {expect!r}, but the measurements say {verdict['regime']!r}")
         emit(run_tables.report(runs, legend=k == 0))
-        if has_tiers(runs):
-            emit("")
-            emit(tier_table(runs, legend=k == 0))
     return summaries
 
 
@@ -358,10 +371,10 @@ def simulate(
     from tiered_kv.sim import trace_formats, trace_report
     from tiered_kv.sim.calibration import load_calibration
     from tiered_kv.sim.client import describe_load
-    from tiered_kv.sim.config import derived_fields, read_config, setup
+    from tiered_kv.sim.config import derived_fields, read_config
     from tiered_kv.sim.extras import import_extra
     from tiered_kv.sim.progress import Progress
-    from tiered_kv.sim.report import fit_lines
+    from tiered_kv.sim.report import fit_lines, kv_demand
 
     emit = fit_lines(emit)  # every line within 100 columns: prose is wrapped (the tables are narrow)
     cal = load_calibration(calibration) if calibration is not None else None
@@ -371,9 +384,11 @@ def simulate(
         import_extra("matplotlib", "--plots")  # before the run, not after it
     if metrics_path is not None:
         import_extra("prometheus_client", "--metrics")
-    tasks, sizes, heads, workloads = _plan(regimes, cal, requests_path, timeline_path, metrics_path)
+    tasks, sizes, workloads, setups0 = _plan(regimes, cal, requests_path, timeline_path, metrics_path)
     cfg0 = regimes[0][3]
-    _, _, where, first, demand0, _ = heads[0]
+    first = setups0[0]
+    demand0 = kv_demand(first, workloads[regimes[0][0]])
+    where = f"{cal.device} (calibrated)" if cal is not None else first.hardware.name
     if first.uncalibrated:  # the first line a run prints: its step times are a default, not this GPU's
         emit(f"note: {first.uncalibrated}")
     load = describe_load(cfg0["workload"])  # first, where it is seen: it changes every number below
@@ -391,10 +406,7 @@ def simulate(
         sampled = f", {kept} of them replayed ({w['trace_sample']})" if kept != len(trace.rows) else ""
         skipped = f"; skipped {trace.skipped_text()}" if trace.skipped else ""
         emit(f"trace {w['trace']} ({w['trace_format']}): {len(trace.rows)} requests{sampled}{skipped}")
-    cfg_first = regimes[0][3]
-    derived = list(
-        dict.fromkeys(d for i in range(len(cfg_first["runs"])) for d in derived_fields(setup(cfg_first, i, cal)))
-    )
+    derived = list(dict.fromkeys(d for st in setups0 for d in derived_fields(st)))
     if derived:
         emit(f"derived, not given in the profiles: {'; '.join(derived)}")
     with Progress("simulate", sum(sizes), "requests", enabled=progress) as prog:
@@ -418,9 +430,8 @@ def simulate(
     }
     _write_outputs(doc, outs, emit, json_path, requests_path, timeline_path, metrics_path, plots_dir)
     if replayed and plots_dir is not None:
-        setups = [setup(cfg0, i, cal) for i in range(len(cfg0["runs"]))]
         runs0 = [r for r in results if r["regime"] == regimes[0][0]]
-        for p in trace_report.plot(workloads[regimes[0][0]], runs0, setups, plots_dir, cfg0["name"]):
+        for p in trace_report.plot(workloads[regimes[0][0]], runs0, setups0, plots_dir, cfg0["name"]):
             emit(f"wrote {p}")
     return doc
 

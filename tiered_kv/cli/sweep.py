@@ -15,15 +15,14 @@ the simulator is imported by the functions that run it.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
+import itertools
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tiered_kv.cli.flags import add_json, add_no_progress, add_plots, add_workers, config_inputs, need_extras
+from tiered_kv.cli.simulate import in_processes
 from tiered_kv.errors import TieredKVError
 
 if TYPE_CHECKING:
@@ -143,26 +142,12 @@ def _serial(cells: Sequence[Cell], prog: Progress, per_cell: int) -> list[dict[s
 
 
 def _processes(cells: Sequence[Cell], workers: int, prog: Progress, per_cell: int) -> list[dict[str, Any]]:
-    from tiered_kv.sim.simulator import SimulationError
+    finished = itertools.count(1)
 
-    # spawn, not fork: a forked child would inherit the progress thread's locks mid-use.
-    ctx = multiprocessing.get_context("spawn")
-    rows: list[dict[str, Any] | None] = [None] * len(cells)
-    with ProcessPoolExecutor(max_workers=min(workers, len(cells)), mp_context=ctx) as pool:
-        futures = {pool.submit(run_cell, cell): k for k, cell in enumerate(cells)}
-        pending = set(futures)
-        try:
-            while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for f in done:
-                    rows[futures[f]] = f.result()
-                    prog.advance(per_cell, f"{sum(r is not None for r in rows)}/{len(cells)} cells")
-        except BrokenProcessPool:
-            raise SimulationError("a sweep worker process died (out of memory? try fewer --workers)") from None
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-    return rows  # type: ignore[return-value]
+    def done(k: int, row: dict[str, Any]) -> None:
+        prog.advance(per_cell, f"{next(finished)}/{len(cells)} cells")
+
+    return in_processes(run_cell, cells, workers, done, "sweep")
 
 
 def _ray(cells: Sequence[Cell], address: str, prog: Progress, per_cell: int) -> list[dict[str, Any]]:

@@ -39,8 +39,9 @@ class MetricSpec:
     values: Values
 
 
-def _one(f: Callable[[Reading], float]) -> Values:
-    return lambda r: [((), f(r))]
+def _scalar(name: str, type: str, doc: str, f: Callable[[Reading], float]) -> MetricSpec:
+    """A metric of one sample and no labels of its own."""
+    return MetricSpec(name, type, doc, (), lambda r: [((), f(r))])
 
 
 def _per_tier(gpu: Callable[[Reading], float], cpu: Callable[[Reading], float]) -> Values:
@@ -57,76 +58,61 @@ def _counters(r: Reading) -> TierCounters:
 
 SPECS: tuple[MetricSpec, ...] = (
     # ---- vLLM's names and meanings
-    MetricSpec(
+    _scalar(
         "vllm:kv_cache_usage_perc",
         "gauge",
         "KV-cache usage of the GPU pool: the fraction of usable blocks not free. 1 means 100 percent usage.",
-        (),
-        _one(lambda r: r.snapshot.gpu_usage),
+        lambda r: r.snapshot.gpu_usage,
     ),
-    MetricSpec(
+    _scalar(
         "vllm:prefix_cache_queries",
         "counter",
         "GPU prefix cache queries, in tokens: every admitted request's tokens.",
-        (),
-        _one(lambda r: _counters(r).gpu_query_tokens),
+        lambda r: _counters(r).gpu_query_tokens,
     ),
-    MetricSpec(
+    _scalar(
         "vllm:prefix_cache_hits",
         "counter",
         "GPU prefix cache hits, in tokens found cached on the GPU at admission.",
-        (),
-        _one(lambda r: _counters(r).gpu_hit_tokens),
+        lambda r: _counters(r).gpu_hit_tokens,
     ),
-    MetricSpec(
+    _scalar(
         "vllm:external_prefix_cache_queries",
         "counter",
         "CPU-tier prefix queries, in tokens: the tokens of each admitted request not found on the GPU.",
-        (),
-        _one(lambda r: _counters(r).cpu_query_tokens),
+        lambda r: _counters(r).cpu_query_tokens,
     ),
-    MetricSpec(
+    _scalar(
         "vllm:external_prefix_cache_hits",
         "counter",
         "CPU-tier prefix hits, in tokens found on the CPU tier at admission (loaded, not recomputed).",
-        (),
-        _one(lambda r: _counters(r).cpu_hit_tokens),
+        lambda r: _counters(r).cpu_hit_tokens,
     ),
-    MetricSpec(
+    _scalar(
         "vllm:num_preemptions",
         "counter",
         "Preemptions, by swap and by recompute.",
-        (),
-        _one(lambda r: _counters(r).preemptions_swap + _counters(r).preemptions_recompute),
+        lambda r: _counters(r).preemptions_swap + _counters(r).preemptions_recompute,
     ),
-    MetricSpec(
-        "vllm:num_requests_running",
-        "gauge",
-        "Requests in the running batch.",
-        (),
-        _one(lambda r: r.requests_running),
-    ),
-    MetricSpec(
+    _scalar("vllm:num_requests_running", "gauge", "Requests in the running batch.", lambda r: r.requests_running),
+    _scalar(
         "vllm:num_requests_waiting",
         "gauge",
         "Requests waiting to be admitted, including those whose prefix is still loading from the CPU tier.",
-        (),
-        _one(lambda r: r.requests_waiting),
+        lambda r: r.requests_waiting,
     ),
     # ---- the tiered manager's own
-    MetricSpec(
+    _scalar(
         "tiered_kv:num_requests_swapped",
         "gauge",
         "Requests whose KV is swapping out, on the CPU tier, or swapping back in.",
-        (),
-        _one(lambda r: r.requests_swapped),
+        lambda r: r.requests_swapped,
     ),
-    MetricSpec(
+    _scalar(
         "tiered_kv:cpu_cache_usage_perc",
         "gauge",
         "KV-cache usage of the CPU tier: the fraction of its usable blocks not free. 1 means 100 percent usage.",
-        (),
-        _one(lambda r: r.snapshot.cpu_usage),
+        lambda r: r.snapshot.cpu_usage,
     ),
     MetricSpec(
         "tiered_kv:tier_blocks",
@@ -142,19 +128,17 @@ SPECS: tuple[MetricSpec, ...] = (
         ("tier",),
         _per_tier(lambda r: r.snapshot.gpu_free_blocks, lambda r: r.snapshot.cpu_free_blocks),
     ),
-    MetricSpec(
+    _scalar(
         "tiered_kv:cpu_cached_blocks",
         "gauge",
         "CPU-tier blocks holding KV (pinned or not).",
-        (),
-        _one(lambda r: r.snapshot.cpu_cached_blocks),
+        lambda r: r.snapshot.cpu_cached_blocks,
     ),
-    MetricSpec(
+    _scalar(
         "tiered_kv:cpu_pinned_blocks",
         "gauge",
         "CPU-tier blocks that may not be evicted: pinned by swapped requests and loads, or being written.",
-        (),
-        _one(lambda r: r.snapshot.cpu_pinned_blocks),
+        lambda r: r.snapshot.cpu_pinned_blocks,
     ),
     MetricSpec(
         "tiered_kv:evicted_blocks",
@@ -186,33 +170,29 @@ SPECS: tuple[MetricSpec, ...] = (
         ("kind",),
         lambda r: [],  # histograms are built from Reading.copy_latency
     ),
-    MetricSpec(
+    _scalar(
         "tiered_kv:copies_submitted",
         "counter",
         "Copies submitted to the copy engine.",
-        (),
-        _one(lambda r: _counters(r).plans_submitted),
+        lambda r: _counters(r).plans_submitted,
     ),
-    MetricSpec(
+    _scalar(
         "tiered_kv:copies_failed",
         "counter",
         "Copies that failed (their KV stayed where it was).",
-        (),
-        _one(lambda r: _counters(r).plans_failed),
+        lambda r: _counters(r).plans_failed,
     ),
-    MetricSpec(
+    _scalar(
         "tiered_kv:copies_cancelled",
         "counter",
         "Copies cancelled before they ran.",
-        (),
-        _one(lambda r: _counters(r).plans_cancelled),
+        lambda r: _counters(r).plans_cancelled,
     ),
-    MetricSpec(
+    _scalar(
         "tiered_kv:copies_in_flight",
         "gauge",
         "Copies submitted and not settled yet.",
-        (),
-        _one(lambda r: r.snapshot.plans_in_flight),
+        lambda r: r.snapshot.plans_in_flight,
     ),
     MetricSpec(
         "tiered_kv:preemptions",
@@ -222,18 +202,16 @@ SPECS: tuple[MetricSpec, ...] = (
         ("mode", "reason"),
         lambda r: list(r.preemptions.items()),
     ),
-    MetricSpec(
+    _scalar(
         "tiered_kv:swaps_dropped",
         "counter",
         "Swapped requests whose CPU copy was given up (they are recomputed).",
-        (),
-        _one(lambda r: _counters(r).swaps_dropped),
+        lambda r: _counters(r).swaps_dropped,
     ),
-    MetricSpec(
+    _scalar(
         "tiered_kv:recomputed_tokens",
         "counter",
         "Tokens computed again because a recompute preemption dropped their KV (prefix hits excluded).",
-        (),
-        _one(lambda r: r.tokens_recomputed),
+        lambda r: r.tokens_recomputed,
     ),
 )

@@ -70,10 +70,6 @@ def _older_bandwidth(value: Any) -> str:
     return "renamed: give link.h2d_gbps, the one-way bandwidth a copy reaches (GB/s; was per_direction x efficiency)"
 
 
-def _flat_step_model(value: Any) -> str:
-    return "moved: the step model is given per engine era (see docs/hardware.md)"
-
-
 STEP_SCHEMA = {
     "mfu": num(REQUIRED, fraction),
     "prefill_mfu": num(REQUIRED, fraction),

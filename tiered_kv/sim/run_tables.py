@@ -3,9 +3,12 @@
 A regime's report is, in order: the runs (what each is, its CPU tier, the run it
 adds to); latency (TTFT and E2E, with each run's speed-up over the run it adds
 to); throughput and decode; preemptions and copies; where the prompts' KV came
-from.  :mod:`tiered_kv.sim.tier_report` adds the tiers below the CPU when a run
-has them.  Every line fits :data:`WIDTH` columns, and every column is explained,
-with its unit, in the legend under its table.
+from; and, when some run has a disk or remote tier, the tiers below the CPU (one
+row per run and tier, in blocks of the run's block size: what each held, moved and
+lost; the gains such a run makes are in the latency table, the share of prompt tokens
+found below the GPU in the table of where the prompts' KV came from).  Every line fits
+:data:`WIDTH` columns, and every column is explained, with its unit, in the legend
+under its table.
 
 A table is a list of :class:`Group` s of :class:`Column` s.  A group is a heading
 over a few columns that share a quantity and a unit (``TTFT, s`` over ``p50 p90
@@ -425,11 +428,79 @@ KV_SOURCES = Table(
     ),
 )
 
-#: The tables of a regime's report, in order (the tiers below the CPU come after, from tier_report).
+# ---------------------------------------------------------------- the tiers below the CPU
+
+
+def has_tiers(runs: Sequence[dict[str, Any]]) -> bool:
+    """Whether some run had a tier below the CPU."""
+    return any(r.get("lower_tiers") for r in runs)
+
+
+def _tier_count(key: str) -> Any:
+    return lambda r: f"{r.tier[1][key]:d}"
+
+
+TIERS = Table(
+    "tiers below the CPU",
+    (
+        Group("", "", (Column("tier", 6, lambda r: r.tier[0], "the tier (disk, remote), below the CPU tier"),)),
+        Group(
+            "blocks",
+            "KV blocks of the run's block size",
+            (
+                Column(
+                    "hit",
+                    9,
+                    _tier_count("hit_blocks"),
+                    "prefix blocks of admitted requests it was the highest tier to hold",
+                ),
+                Column("loaded", 8, _tier_count("loaded_blocks"), "staged from this tier into the CPU tier"),
+                Column("stored", 8, _tier_count("stored_blocks"), "written into this tier from the CPU tier"),
+                Column(
+                    "declined",
+                    9,
+                    _tier_count("declined_blocks"),
+                    "hits not loaded: dearer than recomputing, or no room",
+                ),
+            ),
+        ),
+        Group(
+            "",
+            "",
+            (
+                Column("read s", 7, lambda r: f"{r.tier[1]['load_busy_s']:.1f}", "seconds its reads took"),
+                Column(
+                    "lost",
+                    7,
+                    lambda r: f"{r.run.get('chain_lost_blocks', 0):d}",
+                    "blocks the CPU tier evicted while no tier below held them: their KV left every tier (per run)",
+                ),
+            ),
+        ),
+    ),
+)
+
+
+def tier_table(runs: Sequence[dict[str, Any]], legend: bool = True) -> str:
+    """One row per run and tier below its CPU tier, numbered as in the other tables."""
+    out = []
+    for row in rows(runs):
+        for name, counters in (row.run.get("lower_tiers") or {}).items():
+            out.append(RunRow(row.run, row.number, row.ref, row.ref_number, (name, counters)))
+    return TIERS.render(out, legend)
+
+
+#: The tables of a regime's report, in order (then :data:`TIERS`, where a run has tiers below the CPU).
 TABLES = (LATENCY, THROUGHPUT, PREEMPTION, KV_SOURCES)
 
 
 def report(runs: Sequence[dict[str, Any]], legend: bool = True) -> str:
-    """The runs list, then every table of :data:`TABLES`, each with its legend (``legend=False``: without)."""
+    """The runs list, then every table of :data:`TABLES` and, if some run has them, the tiers below the CPU.
+
+    Each table is followed by its legend (``legend=False``: without).
+    """
     rs = rows(runs)
-    return "\n\n".join([runs_list(runs), *(t.render(rs, legend) for t in TABLES)])
+    tables = [t.render(rs, legend) for t in TABLES]
+    if has_tiers(runs):
+        tables.append(tier_table(runs, legend))
+    return "\n\n".join([runs_list(runs), *tables])

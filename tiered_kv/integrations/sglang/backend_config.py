@@ -73,7 +73,10 @@ class BackendConfig:
                 f"(known: {sorted(known)})"
             )
         store = {k: extra[k] for k in STORE_KEYS if k in extra}
-        check_store_config(store)
+        # SGLang builds its backend before it registers the host memory pool whose geometry gives the
+        # page size, so the store is opened only then; a bad configuration must still fail now, and
+        # without creating anything: open_page_store's own checks, run without opening a medium.
+        page_store.check_page_store_config(store)
         model = extra.get("model", storage_config.model_name)
         for name, value in (("model", model), ("hash_scheme", extra.get("hash_scheme", DEFAULT_HASH_SCHEME))):
             if not isinstance(value, str) or not value:
@@ -93,17 +96,6 @@ class BackendConfig:
             hash_scheme=extra.get("hash_scheme", DEFAULT_HASH_SCHEME),
             rank_layout=rank_layout(storage_config),
         )
-
-
-def check_store_config(store: Mapping[str, Any]) -> None:
-    """Check a page store configuration the way :func:`~tiered_kv.integrations.page_store.open_page_store` will.
-
-    SGLang builds its backend before it registers the host memory pool whose geometry
-    gives the page size, so the store can only be opened then; a bad configuration must
-    still fail when the backend is built, and without creating anything.  The checks are
-    ``open_page_store``'s own (its tier checker), run without opening a medium.
-    """
-    page_store.check_page_store_config(store)
 
 
 def rank_layout(storage_config: Any) -> str:

@@ -126,14 +126,11 @@ class PreemptionConfig:
             :class:`~tiered_kv.manager.pricing.Quote`, as tiered_kv's own scheduler does).
         victim_policy: Who is preempted first; ``last_admitted`` is vLLM's own order.
         cost_model: Prices each victim's quote: swap against recompute.
-        cost_model_given: Whether the config gave the prefill speed (else the model's
-            recompute times are placeholders that no decision reads).
     """
 
     cost_model: CostModel
     mode: str = "recompute"
     victim_policy: VictimPolicy = field(default_factory=LastAdmittedPolicy)
-    cost_model_given: bool = False
 
     @property
     def swaps(self) -> bool:
@@ -183,4 +180,4 @@ def preemption_config(raw: Any, kv_bytes_per_token: int, block_size: int) -> Pre
             f"preemption.cost_model.prefill_tokens_per_s is required: {why}, and recompute time is "
             "prefill time (measure it, or take it from the simulator's step model)"
         )
-    return PreemptionConfig(cost_model, mode, policy, given)
+    return PreemptionConfig(cost_model, mode, policy)

@@ -23,7 +23,6 @@ of ``tiered_kv:preemptions`` over modes); ``tiered_kv:preemptions`` and
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata, OffloadingMetricMetadata
@@ -98,9 +97,6 @@ class PreemptionCounters:
     def recompute_tax(self) -> float:
         """Recomputed tokens over computed tokens (0 before anything is computed)."""
         return self.tokens_recomputed / self.tokens_computed if self.tokens_computed else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "recompute_tax": self.recompute_tax}
 
     def copy(self) -> PreemptionCounters:
         return PreemptionCounters(**asdict(self))
