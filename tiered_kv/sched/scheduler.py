@@ -99,6 +99,12 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.requests: dict[Hashable, Request] = {}
         self.status: dict[Hashable, RequestStatus] = {}
+        # The queue of each status (an ARRIVING request is in none: _arriving holds it).
+        self._queues: dict[RequestStatus, deque[Request] | list[Request]] = {
+            S.WAITING: self.waiting,
+            S.RUNNING: self.running,
+            S.SWAPPED: self.swapped,
+        }
         self._high_water: dict[Hashable, int] = {}  # recompute victims: tokens they had computed
         self._passed: dict[Hashable, int] = {}  # marks passed by a step of the batch being built (this step only)
         self._aborting: set[Hashable] = set()
@@ -274,7 +280,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch (see the module docstring for the order of things)."""
         kv = self._kv
-        self._apply(kv.poll())
+        done = kv.poll()
+        if done:
+            self._apply(done)
         if self._passed:
             self._passed.clear()
         out = SchedulerOutput()
@@ -283,9 +291,10 @@ class Scheduler:
         # (_make_room), as nothing before that in this loop starts or settles a copy.
         promised: int | None = None
         status, chunked = self.status, self.config.chunked_prefill
-        preempted = out.preempted
-        quiet = self._quiet
+        preempted, scheduled = out.preempted, out.scheduled
+        quiet, marks, loads = self._quiet, self._high_water, self._loads
         running = S.RUNNING
+        tokens = 0  # batched by this loop (_unschedule takes a victim's tokens off out.num_tokens meanwhile)
         stalled: list[Request] = []  # fresh requests that found no room and waited
         for req in list(self.running):
             if budget <= 0:
@@ -311,8 +320,12 @@ class Scheduler:
                 elif self._refused is not None or self._lagging:
                     self._grown(req, c, n)
                 quiet[rid] = q
-            self._add(out, req, n)
+            scheduled.append((req, n))  # _add, inlined: the loop's one call per batched request
+            tokens += n
+            if marks or loads:
+                self._note(out, req, n)
             budget -= n
+        out.num_tokens += tokens
         if stalled:
             self._yield_if_stuck(stalled, out)
         if not out.preempted:
@@ -494,6 +507,11 @@ class Scheduler:
         """Batch ``n`` tokens of ``req``: count what it computes again, and name the load it computes over."""
         out.scheduled.append((req, n))
         out.num_tokens += n
+        if self._high_water or self._loads:
+            self._note(out, req, n)
+
+    def _note(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """For ``n`` batched tokens of ``req``: the tokens it computes again, and the load it computes over."""
         rid = req.request_id
         if self._high_water:  # only recompute victims have a mark, until they pass it again
             mark = self._high_water.get(rid, 0)
@@ -665,12 +683,15 @@ class Scheduler:
         failed = {rid for rid, h in loads.items() if not h.wait()} if loads else ()  # waits only: nothing changes
         status, running = self.status, S.RUNNING
         need = ignored = 0
+        steps: list[tuple[Request, int, int | None]] = []  # what counts: (request, tokens, the token it sampled)
         for r, n in out.scheduled:  # check everything before changing anything
-            if r.num_computed_tokens + n == len(r.all_token_ids):
-                rid = r.request_id
-                if (failed and rid in failed) or status.get(rid) is not running:
+            rid = r.request_id
+            ends = r.num_computed_tokens + n == len(r.all_token_ids)
+            if status.get(rid) is not running or (failed and rid in failed):
+                if ends:
                     ignored += rid in sampled  # its step no longer counts: a token for it may come or not
-                    continue
+                continue
+            if ends:
                 need += 1
                 t = sampled.get(rid)
                 if type(t) is not int:  # exact: a bool is no token
@@ -678,43 +699,48 @@ class Scheduler:
                         f"request {rid!r} reached the end of its tokens: sampled must map it to an int "
                         f"token, got {checks.describe(t)}"
                     )
+                steps.append((r, n, t))
+            else:
+                steps.append((r, n, None))
         extra = len(sampled) - ignored
         if extra != need:
             raise InvalidArgumentError(f"sampled has {extra} entries, but {need} requests sampled a token")
         # The step has computed every layer: whatever layer of a store the driver did not open is opened,
-        # and the loads it computed over settle now.
-        if out.saves or loads:
+        # and the loads it computed over settle now (a request aborted while its load was landing ends then).
+        settled = bool(out.saves or loads)
+        if settled:
             self._apply(self._kv.step_computed(list(out.saves.values()), list(loads.values())))
         finished: list[Request] = []
-        fresh = self._fresh
-        for req, n in out.scheduled:
+        fresh, kv = self._fresh, self._kv
+        for req, n, t in steps:
             rid = req.request_id
-            if status.get(rid) is not running or (failed and rid in failed):
-                continue  # its load failed (or it was aborted meanwhile): this step did not count
+            if settled and status.get(rid) is not running:
+                continue  # it ended as its load settled: this step did not count
             if fresh:
                 fresh.discard(rid)  # it made progress: it may be preempted again
             c = req.num_computed_tokens
             req.num_computed_tokens = c + n
             if c < req.num_prompt_tokens:
-                self._kv.on_tokens_computed(rid)
-            tokens = req.all_token_ids
-            if c + n == len(tokens):
-                tokens.append(sampled[rid])
+                kv.on_tokens_computed(rid)
+            if t is not None:
+                tokens = req.all_token_ids
+                tokens.append(t)
                 if len(tokens) - req.num_prompt_tokens >= req.max_tokens:
-                    self._finish(req)
+                    self._finish(req, running=True)
                     finished.append(req)
         return finished
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: Request, running: bool = False) -> None:
+        """End ``req`` here and in the manager (``running``: it is running, so the manager holds it open)."""
         rid = req.request_id
         self._refused = None  # its blocks are released
-        if self._kv.state(rid).open:  # its KV, or only its request in the CPU store (a recompute victim, a failed load)
+        # Open: its KV, or only its request in the CPU store (a recompute victim, a failed load).
+        if running or self._kv.state(rid).open:
             self._kv.free(rid)
-        for q in (self.running, self.swapped, self.waiting):
-            if req in q:
-                q.remove(req)
+        queue = self._queues.get(self.status.pop(rid))  # its status names the one queue it is in
+        if queue is not None:
+            queue.remove(req)
         del self.requests[rid]
-        del self.status[rid]
         self._quiet.pop(rid, None)
         self._high_water.pop(rid, None)
         self._loads.pop(rid, None)
