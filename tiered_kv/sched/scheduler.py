@@ -341,7 +341,7 @@ class Scheduler:
         return out
 
     def _grown(self, req: Request, c: int, n: int) -> None:
-        """``req`` (``c`` tokens computed) got room for ``n`` more: forget the refusal if that may have cached its prefix.
+        """``req`` (``c`` tokens computed) got room for ``n`` more: forget the refusal if that may cache its prefix.
 
         An allocation caches, under the request's block hashes, the full
         blocks of its first ``c + n`` tokens not cached yet.  A request not
