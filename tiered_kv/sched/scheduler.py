@@ -38,7 +38,12 @@ admitted requests:
    swapped out or this step preempted, under vLLM 0.33's gates: without
    chunked prefill the tokens left after the prefix hits must fit the budget;
    with ``scheduler_reserve_full_isl`` the whole sequence must fit the pool;
-   while requests run, the manager's watermark stays free.
+   while requests run, the manager's watermark stays free.  With chunked
+   prefill and that whole-sequence gate, the request the manager refused is
+   not asked about again until something happens that could let it in (a
+   block returned to the pool, a copy settled, one of its prefix blocks
+   cached): until then the answer would be the same refusal
+   (:meth:`Scheduler._admit` argues why).
 
 :meth:`Scheduler.update` then applies the computed step: it advances progress
 and appends the sampled token of every request that reached the end of its
