@@ -626,9 +626,11 @@ class Scheduler:
         hashes; :meth:`_grown` and any admission or resume drop the refusal
         then).  Everything else that happens between steps takes free
         blocks, makes a hit evictable or held at the cost of a free block,
-        or evicts, and none of that shrinks it.  A skipped call would have
-        counted one more prefix lookup in the pools' statistics; nothing
-        else differs.
+        or evicts, and none of that shrinks it.  A skipped call would only
+        have counted one more prefix lookup (the GPU pool's
+        ``prefix_cache_stats``, the stores' lookup statistics) and asked the
+        tiers below the CPU again; vLLM 0.33 counts a lookup only when the
+        request is admitted.
         """
         cfg = self.config
         chunked, full = cfg.chunked_prefill, cfg.scheduler_reserve_full_isl
