@@ -495,6 +495,7 @@ class Scheduler:
         assert p is not None
         self._refused = None  # its blocks are released (or will be when its copy settles)
         self._quiet.pop(rid, None)  # its blocks are released or leaving
+        self._lagging.discard(rid)  # no longer running (a resume or a landing marks it again)
         self.running.remove(req)
         req.num_preemptions += 1
         out.preempted.append((rid, p.mode))
