@@ -259,3 +259,65 @@ def test_progress_is_the_schedulers_the_manager_only_reports_it():
     s.tm.preempt("A", "swap")  # as a scheduler under pressure would
     assert a.num_computed_tokens == 10  # untouched by the manager
     assert s.tm.residency("A") is Residency.SWAPPING_OUT
+
+
+# A waiting request the manager refused is not asked about again while nothing that could let it in has
+# happened (chunked prefill with the full-prompt gate): these check that it is asked, and admitted, in exactly
+# the step something does let it in.
+def refused_setup(gpu):
+    s, eng = make(gpu=gpu, mode="recompute", max_num_batched_tokens=64)
+    asked = []
+    admit = s.tm.admit
+
+    def spy(request, *args, **kwargs):
+        res = admit(request, *args, **kwargs)
+        asked.append((request.request_id, res is not None))
+        return res
+
+    s.tm.admit = spy  # the scheduler's own manager, observed through its public verb
+    return s, eng, asked
+
+
+def step(s, asked, tokens):
+    """One step; sample the next of ``tokens`` for A, token 1 for anyone else; return (admitted, asks)."""
+    del asked[:]
+    out = s.schedule()
+    s.update(out, {r.request_id: tokens(r) for r, n in out.scheduled if out.needs_sample(r, n)})
+    s.check_consistency()
+    s.tm.check_invariants()
+    return out.admitted, list(asked)
+
+
+def test_a_refused_request_is_asked_again_and_admitted_in_the_step_a_finish_frees_its_blocks():
+    # 5 usable blocks of 4 tokens.  A (7 tokens, 4 outputs) holds 2 blocks, then 3; B (3 tokens) 1, then 2,
+    # and runs on; W needs 3 for its whole prompt: 2 are free, then none, then A's 3 when A finishes.
+    s, _, asked = refused_setup(gpu=6)
+    s.add_request(Request("A", list(range(1, 8)), max_tokens=4))
+    s.add_request(Request("B", [20, 21, 22], max_tokens=30))
+    s.add_request(Request("W", list(range(50, 62)), max_tokens=2))
+    assert step(s, asked, lambda r: 1) == (["A", "B"], [("A", True), ("B", True), ("W", False)])
+    for _ in range(3):  # nothing returns a block and nothing of W's prompt is cached: W is not asked again
+        assert step(s, asked, lambda r: 1) == ([], [])
+    assert "A" not in s.requests and s.status["B"] is RequestStatus.RUNNING  # A finished at the last update
+    assert step(s, asked, lambda r: 1) == (["W"], [("W", True)])  # the blocks A freed: asked at once, and in
+
+
+def test_a_refused_request_is_admitted_in_the_step_its_prefix_becomes_cached_without_any_block_freed():
+    # A decodes 5, 6, 7, 8 after its prompt 1-4: its second block [5, 6, 7, 8] is cached at step 4, and W's
+    # prompt starts with A's 8 tokens.  Under the full-prompt gate W needs its 4 blocks less the hits A holds:
+    # 3 while it hits one block (free: 2), 2 once it hits two.  No block is freed on the way.
+    s, _, asked = refused_setup(gpu=5)
+    s.add_request(Request("A", [1, 2, 3, 4], max_tokens=30))
+
+    def tokens(r):
+        return len(r.all_token_ids) + 1  # A samples 5, 6, 7, ...
+
+    assert step(s, asked, tokens) == (["A"], [("A", True)])
+    s.add_request(Request("W", [1, 2, 3, 4, 5, 6, 7, 8, 100, 101, 102, 103, 104], max_tokens=2))
+    assert step(s, asked, tokens) == ([], [("W", False)])  # A took its second block: 2 free, W needs 3
+    assert step(s, asked, tokens) == ([], [])
+    assert step(s, asked, tokens) == ([], [])
+    assert s.requests["A"].all_token_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    admitted, asks = step(s, asked, tokens)  # A's step fills [5, 6, 7, 8], which is cached: W's hits grow
+    assert (admitted, asks) == (["W"], [("W", True)])
+    assert s.tm.gpu_block_ids("W")[:2] == s.tm.gpu_block_ids("A")[:2]  # both of A's blocks are its hits

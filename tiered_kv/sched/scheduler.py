@@ -38,7 +38,12 @@ admitted requests:
    swapped out or this step preempted, under vLLM 0.33's gates: without
    chunked prefill the tokens left after the prefix hits must fit the budget;
    with ``scheduler_reserve_full_isl`` the whole sequence must fit the pool;
-   while requests run, the manager's watermark stays free.
+   while requests run, the manager's watermark stays free.  With chunked
+   prefill and that whole-sequence gate, the request the manager refused is
+   not asked about again until something happens that could let it in (a
+   block returned to the pool, a copy settled, one of its prefix blocks
+   cached): until then the answer would be the same refusal
+   (:meth:`Scheduler._admit` argues why).
 
 :meth:`Scheduler.update` then applies the computed step: it advances progress
 and appends the sampled token of every request that reached the end of its
@@ -99,6 +104,12 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.requests: dict[Hashable, Request] = {}
         self.status: dict[Hashable, RequestStatus] = {}
+        # The queue of each status (an ARRIVING request is in none: _arriving holds it).
+        self._queues: dict[RequestStatus, deque[Request] | list[Request]] = {
+            S.WAITING: self.waiting,
+            S.RUNNING: self.running,
+            S.SWAPPED: self.swapped,
+        }
         self._high_water: dict[Hashable, int] = {}  # recompute victims: tokens they had computed
         self._passed: dict[Hashable, int] = {}  # marks passed by a step of the batch being built (this step only)
         self._aborting: set[Hashable] = set()
@@ -112,6 +123,19 @@ class Scheduler:
         # Requests that became runnable (admitted, resumed, their KV landed) and have not computed a step
         # since: no victim until they have (see the module docstring).  Membership only, never iterated.
         self._fresh: set[Hashable] = set()
+        # The waiting request the manager refused last, kept while nothing has happened since that could let it
+        # in: the next step then refuses it without asking (see _admit, which argues why that is exact).  Dropped
+        # (None) by anything that returns GPU blocks to the pool, settles a copy, or may cache one of its prefix
+        # blocks; _refused_keys is its block hashes (what its prefix hits are looked up by), _refused_running
+        # the has_scheduled_reqs it was refused with.
+        self._refused: Request | None = None
+        self._refused_keys: frozenset[Hashable] = frozenset()
+        self._refused_running = False
+        # Running requests whose blocks the manager may cache later than their progress says: their KV arrived
+        # by a copy (an onboarding, a swap-in, layer by layer or not) or came back by a resume or a failed
+        # swap-out, and their first allocation since may cache any of their full blocks, not only the blocks
+        # that step fills.  Membership only; dropped at that allocation.
+        self._lagging: set[Hashable] = set()
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
         self.copies_landed = 0
@@ -153,6 +177,7 @@ class Scheduler:
     def abort(self, request_id: Hashable) -> None:
         """Drop a request wherever it is; a request whose KV is moving is dropped when its copy settles."""
         req = self._request(request_id)
+        self._refused = None  # whatever it held is released, now or when its copy settles
         if self._kv.state(request_id).in_flight and not self._kv.free(request_id, cancel=True):
             self._aborting.add(request_id)  # the engine finished its copy first: it ends once that settles
             return
@@ -203,6 +228,8 @@ class Scheduler:
 
     # ---------------------------------------------------------- completions
     def _apply(self, done: list[Completion]) -> None:
+        if done:
+            self._refused = None  # a copy settled: GPU blocks or cached blocks may have come back
         for c in done:
             if c.ok:
                 self.copy_seconds += c.elapsed_s
@@ -232,6 +259,7 @@ class Scheduler:
                     self.swapped.remove(req)
                     self.status[rid] = S.RUNNING
                     self.running.append(req)
+                    self._lagging.add(rid)
             elif rid in self._loads:  # a layer-wise swap-in: it has been running meanwhile
                 del self._loads[rid]
                 if res is Residency.CPU:  # failed: back to the front of the swapped queue, with its progress there
@@ -251,21 +279,27 @@ class Scheduler:
         self.status[rid] = S.RUNNING
         self.running.append(req)
         self._fresh.add(rid)
+        self._lagging.add(rid)
 
     # -------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch (see the module docstring for the order of things)."""
         kv = self._kv
-        self._apply(kv.poll())
+        done = kv.poll()
+        if done:
+            self._apply(done)
         if self._passed:
             self._passed.clear()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        promised = kv.room().blocks_freed_on_completion
+        # Blocks the copies in flight will free: read from the manager when a request first lacks room
+        # (_make_room), as nothing before that in this loop starts or settles a copy.
+        promised: int | None = None
         status, chunked = self.status, self.config.chunked_prefill
-        preempted = out.preempted
-        quiet = self._quiet
+        preempted, scheduled = out.preempted, out.scheduled
+        quiet, marks, loads = self._quiet, self._high_water, self._loads
         running = S.RUNNING
+        tokens = 0  # batched by this loop (_unschedule takes a victim's tokens off out.num_tokens meanwhile)
         stalled: list[Request] = []  # fresh requests that found no room and waited
         for req in list(self.running):
             if budget <= 0:
@@ -288,9 +322,15 @@ class Scheduler:
                     q, promised, budget = self._make_room(req, n, promised, budget, out, stalled)
                     if q is None:
                         continue
+                elif self._refused is not None or self._lagging:
+                    self._grown(req, c, n)
                 quiet[rid] = q
-            self._add(out, req, n)
+            scheduled.append((req, n))  # _add, inlined: the loop's one call per batched request
+            tokens += n
+            if marks or loads:
+                self._note(out, req, n)
             budget -= n
+        out.num_tokens += tokens
         if stalled:
             self._yield_if_stuck(stalled, out)
         if not out.preempted:
@@ -305,6 +345,30 @@ class Scheduler:
             out.saves.update(saves)
         return out
 
+    def _grown(self, req: Request, c: int, n: int) -> None:
+        """``req`` (``c`` tokens computed) got room for ``n`` more: forget the refusal if that may cache its prefix.
+
+        An allocation caches, under the request's block hashes, the full
+        blocks of its first ``c + n`` tokens not cached yet.  A request not
+        lagging (see ``_lagging``) has every full block of its first ``c``
+        tokens cached already (each earlier step cached what it filled), so
+        what this one caches is among its hashes from block ``c // block_size``
+        on; ``c * len(hashes) // len(tokens)`` is never above that (its hashes
+        cover at most ``len(tokens) // block_size`` blocks), and the scheduler
+        needs no block size.  A lagging request may cache any of its blocks.
+        The refused request's prefix hits can only grow when one of its own
+        hashes becomes cached.
+        """
+        rid = req.request_id
+        if rid in self._lagging:
+            if rid not in self._loads:  # on the GPU: this allocation cached every full block it had not
+                self._lagging.discard(rid)
+            lo = 0
+        else:
+            lo = c * len(req.block_hashes) // len(req.all_token_ids)
+        if self._refused is not None and not self._refused_keys.isdisjoint(req.block_hashes[lo:]):
+            self._refused = None
+
     # ------------------------------------------------------------ preemption
     # When a running request's tokens do not fit, blocks that copies in flight will free are counted
     # first (waiting beats preempting); then vLLM's loop: preempt one victim, try again, until the
@@ -314,14 +378,17 @@ class Scheduler:
         self,
         req: Request,
         n: int,
-        promised: int,
+        promised: int | None,
         budget: int,
         out: SchedulerOutput,
         stalled: list[Request] | None = None,
-    ) -> tuple[int | None, int, int]:
+    ) -> tuple[int | None, int | None, int]:
         """Allocate ``n`` tokens for ``req``, preempting if needed; (grow's answer, promised blocks left, token budget).
 
         Grow's answer is ``None`` when it does not fit.
+        ``promised``: blocks the copies in flight will free and no earlier
+        request of this step waits for, or ``None`` if this step has not read
+        them yet (then they are read now, with the room).
         The budget grows by the tokens of a victim taken out of this step's
         batch.  A fresh request (no step computed since it became runnable)
         that finds no victim waits instead of preempting itself; it is
@@ -331,7 +398,10 @@ class Scheduler:
         for i in range(len(self.running) + 1):  # each round preempts one victim, or ends
             if i and (q := kv.grow(rid, n)) is not None:  # the caller tried once already
                 return q, promised, budget
-            short = kv.room(rid, n).blocks_short
+            room = kv.room(rid, n)
+            if promised is None:
+                promised = room.blocks_freed_on_completion
+            short = room.blocks_short
             if short <= promised:
                 return None, promised - short, budget  # copies in flight will free enough: wait for them
             victim = self._victim(req, out)
@@ -423,7 +493,9 @@ class Scheduler:
         # A forced swap may be impossible (no room on the CPU tier, nothing computed): then by the quote.
         p = kv.preempt(rid, mode, unschedule=unschedule) or kv.preempt(rid, "auto", unschedule=unschedule)
         assert p is not None
+        self._refused = None  # its blocks are released (or will be when its copy settles)
         self._quiet.pop(rid, None)  # its blocks are released or leaving
+        self._lagging.discard(rid)  # no longer running (a resume or a landing marks it again)
         self.running.remove(req)
         req.num_preemptions += 1
         out.preempted.append((rid, p.mode))
@@ -441,6 +513,11 @@ class Scheduler:
         """Batch ``n`` tokens of ``req``: count what it computes again, and name the load it computes over."""
         out.scheduled.append((req, n))
         out.num_tokens += n
+        if self._high_water or self._loads:
+            self._note(out, req, n)
+
+    def _note(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """For ``n`` batched tokens of ``req``: the tokens it computes again, and the load it computes over."""
         rid = req.request_id
         if self._high_water:  # only recompute victims have a mark, until they pass it again
             mark = self._high_water.get(rid, 0)
@@ -476,8 +553,10 @@ class Scheduler:
             if res is None:
                 break
             self.swapped.popleft()
+            self._refused = None  # it took GPU blocks and may have touched cached ones
             self._quiet.pop(rid, None)
             self._fresh.add(rid)
+            self._lagging.add(rid)
             seats -= 1
             out.resumed.append(rid)
             if res.plan is not None and not layered:
@@ -512,6 +591,7 @@ class Scheduler:
             n = budget
         if self._kv.grow(req.request_id, n) is None:
             return budget  # runs in a later step, once its load has landed or room is made
+        self._grown(req, req.num_computed_tokens, n)
         self._add(out, req, n)
         return budget - n
 
@@ -529,20 +609,51 @@ class Scheduler:
             return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in order until one does not fit (vLLM 0.33's waiting loop).
+
+        The manager is not asked again about the request it refused last
+        while nothing has happened since that could let it in: then it
+        refuses it again, so the call is skipped.  With chunked prefill and
+        ``scheduler_reserve_full_isl`` (vLLM's defaults) the manager refuses
+        exactly when the whole sequence's blocks not held by other requests
+        (its prefix hits that others hold are free for it; an evictable hit
+        costs a free block as a new block does), plus the watermark while
+        requests run, exceed the free blocks; the budget (this chunk is never
+        more than the whole sequence) and the hits on the tiers below the GPU
+        (loaded into new blocks) do not enter.  That shortfall only shrinks
+        when blocks return to the pool (a finish, an abort, a preemption, a
+        settled copy: each drops the refusal), or when one of its own block
+        hashes becomes cached on the GPU (its hits are its leading cached
+        hashes; :meth:`_grown` and any admission or resume drop the refusal
+        then).  Everything else that happens between steps takes free
+        blocks, makes a hit evictable or held at the cost of a free block,
+        or evicts, and none of that shrinks it.  A skipped call would only
+        have counted one more prefix lookup (the GPU pool's
+        ``prefix_cache_stats``, the stores' lookup statistics) and asked the
+        tiers below the CPU again; vLLM 0.33 counts a lookup only when the
+        request is admitted.
+        """
         cfg = self.config
         chunked, full = cfg.chunked_prefill, cfg.scheduler_reserve_full_isl
         seats = cfg.max_num_seqs - self._num_admitted()
         while self.waiting and budget > 0 and seats > 0:
             req = self._next_waiting()
+            has_running = bool(self.running)
+            if req is self._refused and has_running == self._refused_running and chunked and full:
+                return  # refused again: nothing that could let it in has happened since (see above)
             res = self._kv.admit(
                 req,
                 min(req.num_tokens, budget),
                 chunked=chunked,
                 full_sequence_must_fit=full,
-                has_scheduled_reqs=bool(self.running),
+                has_scheduled_reqs=has_running,
             )
-            if res is None:
-                return  # it does not fit (the budget, the pool, the gates): vLLM stops admitting too
+            if res is None:  # it does not fit (the budget, the pool, the gates): vLLM stops admitting too
+                if req is not self._refused:
+                    self._refused, self._refused_keys = req, frozenset(req.block_hashes)
+                self._refused_running = has_running
+                return
+            self._refused = None  # its allocation may have cached blocks, or touched another's hits
             self.waiting.remove(req)
             seats -= 1
             rid = req.request_id
@@ -580,12 +691,15 @@ class Scheduler:
         failed = {rid for rid, h in loads.items() if not h.wait()} if loads else ()  # waits only: nothing changes
         status, running = self.status, S.RUNNING
         need = ignored = 0
+        steps: list[tuple[Request, int, int | None]] = []  # what counts: (request, tokens, the token it sampled)
         for r, n in out.scheduled:  # check everything before changing anything
-            if r.num_computed_tokens + n == len(r.all_token_ids):
-                rid = r.request_id
-                if (failed and rid in failed) or status.get(rid) is not running:
+            rid = r.request_id
+            ends = r.num_computed_tokens + n == len(r.all_token_ids)
+            if status.get(rid) is not running or (failed and rid in failed):
+                if ends:
                     ignored += rid in sampled  # its step no longer counts: a token for it may come or not
-                    continue
+                continue
+            if ends:
                 need += 1
                 t = sampled.get(rid)
                 if type(t) is not int:  # exact: a bool is no token
@@ -593,47 +707,54 @@ class Scheduler:
                         f"request {rid!r} reached the end of its tokens: sampled must map it to an int "
                         f"token, got {checks.describe(t)}"
                     )
+                steps.append((r, n, t))
+            else:
+                steps.append((r, n, None))
         extra = len(sampled) - ignored
         if extra != need:
             raise InvalidArgumentError(f"sampled has {extra} entries, but {need} requests sampled a token")
         # The step has computed every layer: whatever layer of a store the driver did not open is opened,
-        # and the loads it computed over settle now.
-        if out.saves or loads:
+        # and the loads it computed over settle now (a request aborted while its load was landing ends then).
+        settled = bool(out.saves or loads)
+        if settled:
             self._apply(self._kv.step_computed(list(out.saves.values()), list(loads.values())))
         finished: list[Request] = []
-        fresh = self._fresh
-        for req, n in out.scheduled:
+        fresh, kv = self._fresh, self._kv
+        for req, n, t in steps:
             rid = req.request_id
-            if status.get(rid) is not running or (failed and rid in failed):
-                continue  # its load failed (or it was aborted meanwhile): this step did not count
+            if settled and status.get(rid) is not running:
+                continue  # it ended as its load settled: this step did not count
             if fresh:
                 fresh.discard(rid)  # it made progress: it may be preempted again
             c = req.num_computed_tokens
             req.num_computed_tokens = c + n
             if c < req.num_prompt_tokens:
-                self._kv.on_tokens_computed(rid)
-            tokens = req.all_token_ids
-            if c + n == len(tokens):
-                tokens.append(sampled[rid])
+                kv.on_tokens_computed(rid)
+            if t is not None:
+                tokens = req.all_token_ids
+                tokens.append(t)
                 if len(tokens) - req.num_prompt_tokens >= req.max_tokens:
-                    self._finish(req)
+                    self._finish(req, running=True)
                     finished.append(req)
         return finished
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: Request, running: bool = False) -> None:
+        """End ``req`` here and in the manager (``running``: it is running, so the manager holds it open)."""
         rid = req.request_id
-        if self._kv.state(rid).open:  # its KV, or only its request in the CPU store (a recompute victim, a failed load)
+        self._refused = None  # its blocks are released
+        # Open: its KV, or only its request in the CPU store (a recompute victim, a failed load).
+        if running or self._kv.state(rid).open:
             self._kv.free(rid)
-        for q in (self.running, self.swapped, self.waiting):
-            if req in q:
-                q.remove(req)
+        queue = self._queues.get(self.status.pop(rid))  # its status names the one queue it is in
+        if queue is not None:
+            queue.remove(req)
         del self.requests[rid]
-        del self.status[rid]
         self._quiet.pop(rid, None)
         self._high_water.pop(rid, None)
         self._loads.pop(rid, None)
         self._arriving.discard(rid)
         self._fresh.discard(rid)
+        self._lagging.discard(rid)
 
     def check_consistency(self) -> None:
         """Assert that each queue holds exactly the requests of its status, and that the manager agrees (for tests).
