@@ -281,15 +281,24 @@ class TierManager:
         found = lower.find(request, len(gpu_hits), n_gpu) if lower is not None else None
         if found is not None:
             keys = found.keys
-        else:
-            keys = self._off.cpu_hits(request, len(gpu_hits)) if self.caching else []
+        elif self.has_cpu_tier and self.caching:
+            keys = self._off.cpu_hits(request, len(gpu_hits))
+        else:  # no CPU tier (its store is empty: a lookup cannot hit) or no prefix caching
+            keys = []
         n_cpu = len(keys) * self.block_size
         rest = request.num_tokens - n_gpu - n_cpu
         if not chunked and rest > max_new_tokens:
             return None
         n_new = min(max_new_tokens, rest)
-        gates = {"full_sequence_must_fit": full_sequence_must_fit, "has_scheduled_reqs": has_scheduled_reqs}
-        need = self.gpu.num_free_blocks_required(request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, **gates)
+        need = self.gpu.num_free_blocks_required(
+            request,
+            n_cpu + n_new,
+            n_gpu,
+            gpu_hits,
+            num_lookahead_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+            has_scheduled_reqs=has_scheduled_reqs,
+        )
         if need > self.gpu.block_pool.get_num_free_blocks():
             return None
         staged: tuple[TierMoves, Reserved] | None = None
@@ -299,7 +308,14 @@ class TierManager:
             keys, n_cpu = staged[1].keys, len(staged[1].keys) * self.block_size
             n_new = min(max_new_tokens, request.num_tokens - n_gpu - n_cpu)
         new = self.gpu.allocate_slots(
-            request, n_cpu + n_new, n_gpu, gpu_hits, num_lookahead_tokens, num_external_computed_tokens=n_cpu, **gates
+            request,
+            n_cpu + n_new,
+            n_gpu,
+            gpu_hits,
+            num_lookahead_tokens,
+            num_external_computed_tokens=n_cpu,
+            full_sequence_must_fit=full_sequence_must_fit,
+            has_scheduled_reqs=has_scheduled_reqs,
         )
         assert new is not None, "allocation was checked to fit"
         if gpu_hits:
@@ -685,7 +701,7 @@ class TierManager:
             ctx = RequestContext(rid)
             store.on_new_request(ctx)
             self._store_requests[rid] = ctx
-        if request.block_hashes:
+        if request.block_hashes and self.has_cpu_tier:  # without one, no load or store ever reads a position
             ctx.set_positions(list(request.block_hashes), self.block_size, self.block_size)
 
     @exclusive

@@ -154,9 +154,12 @@ class Transfers:
 
     def finished(self) -> list[Transfer]:
         """Take every transfer whose handle is final, in plan order."""
-        done = [t for pid, t in sorted(self._live.items()) if t.handle.done()]
+        live = self._live
+        if not live:  # most polls of a scheduler without copies in flight: nothing to sort
+            return []
+        done = [t for pid in sorted(live) if (t := live[pid]).handle.done()]
         for t in done:
-            del self._live[t.plan.plan_id]
+            del live[t.plan.plan_id]
         return done
 
     def take(self, handle: TransferHandle) -> Transfer:
