@@ -106,8 +106,6 @@ class Mismatch(Exception):
 
 def timed_replay(diff: Any, setup: Any, stream: list[Any], clock: Callable[[], int], max_steps: int) -> tuple:
     """One lockstep replay of ``stream``: (the differential test's Trace, Timing); Mismatch at the first difference."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
     v, s = diff.build_vllm(setup), diff.build_ours(setup)
     pending = sorted(stream, key=lambda a: (a.step, a.rid))
     dec, tim = diff.Trace(), Timing()
@@ -161,15 +159,7 @@ def timed_replay(diff: Any, setup: Any, stream: list[Any], clock: Callable[[], i
                 sampled_s[rid] = t
             else:
                 sampled_v.append([])
-        ids = [rid for rid, _ in batch_v]
-        mro = ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={rid: i for i, rid in enumerate(ids)},
-            sampled_token_ids=sampled_v,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
+        mro = diff.runner_output([rid for rid, _ in batch_v], sampled_v)
         if vllm_first:
             t0 = clock()
             v.update_from_output(out_v, mro)

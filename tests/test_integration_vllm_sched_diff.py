@@ -204,6 +204,18 @@ def our_waiting_order(s: Scheduler) -> list[str]:
     return [str(r.request_id) for r in waiting]
 
 
+def runner_output(ids: list[str], sampled: list[list[int]]) -> Any:
+    """vLLM's ``ModelRunnerOutput`` of a step that computed ``ids`` (in batch order) and sampled ``sampled``."""
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={rid: i for i, rid in enumerate(ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
 def run_both(setup: Setup, stream: list[Arrival], max_steps: int = 2000) -> Trace:
     """Drive vLLM's scheduler and ours over ``stream`` to the end, asserting they agree at every step."""
     v, s = build_vllm(setup), build_ours(setup)
@@ -240,18 +252,7 @@ def run_both(setup: Setup, stream: list[Arrival], max_steps: int = 2000) -> Trac
             sampled_v.append([t] if reaches_end else [])
             if reaches_end:
                 sampled_s[rid] = t
-        ids = [rid for rid, _ in batch_v]
-        v.update_from_output(
-            out_v,
-            ModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={rid: i for i, rid in enumerate(ids)},
-                sampled_token_ids=sampled_v,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            ),
-        )
+        v.update_from_output(out_v, runner_output([rid for rid, _ in batch_v], sampled_v))
         finished_s = {str(r.request_id) for r in s.update(out_s, sampled_s)}
         finished_v = set(v.finished_req_ids)
         assert finished_s == finished_v, f"{where}: finished"
