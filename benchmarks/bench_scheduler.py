@@ -28,6 +28,14 @@ comparisons.  Every repeat compares both schedulers' decisions step by step
 each other and with the checked replay, and stops with a message naming the
 step on the first difference.
 
+``--hash-at-intake`` hashes each of our prompts where vLLM hashes its own: at
+intake, when the request is built (vLLM's ``Request`` calls its
+``block_hasher`` in its constructor), with the manager's own ``BlockHasher``
+(``tm.gpu.hasher``), so that both spans hold the same work; the manager then
+finds the prompt hashed and hashes only the blocks decoding fills, as vLLM's
+``update_from_output`` does inside its span.  Without it, ours hashes its
+prompts inside ``schedule()`` and that cost counts against ours only.
+
 ``--clock cpu`` times with ``time.process_time_ns`` (CPU time of this process;
 on a shared machine other processes' load does not enter it), ``--clock wall``
 with ``time.perf_counter_ns``.  The garbage collector stays on (both
@@ -35,7 +43,7 @@ schedulers allocate as they would in a server); it is run before each repeat.
 
 Usage (vLLM's environment)::
 
-    .venv-vllm/bin/python benchmarks/bench_scheduler.py --clock cpu [--requests 300] [--repeats 5]
+    .venv-vllm/bin/python benchmarks/bench_scheduler.py --clock cpu [--requests 300] [--repeats 5] [--hash-at-intake]
 """
 
 from __future__ import annotations
@@ -97,16 +105,23 @@ class Timing:
     ours_schedule: int = 0
     ours_update: int = 0
     vllm_intake: int = 0  # building each request (vLLM hashes its prompt's blocks here) and add_request
-    ours_intake: int = 0  # the same for ours (its prompt's blocks are hashed inside schedule())
+    ours_intake: int = 0  # the same for ours (prompt blocks hashed here with --hash-at-intake, else in schedule())
 
 
 class Mismatch(Exception):
     """The two schedulers (or a repeat and the checked replay) decided differently."""
 
 
-def timed_replay(diff: Any, setup: Any, stream: list[Any], clock: Callable[[], int], max_steps: int) -> tuple:
-    """One lockstep replay of ``stream``: (the differential test's Trace, Timing); Mismatch at the first difference."""
+def timed_replay(
+    diff: Any, setup: Any, stream: list[Any], clock: Callable[[], int], max_steps: int, hash_at_intake: bool = False
+) -> tuple:
+    """One lockstep replay of ``stream``: (the differential test's Trace, Timing); Mismatch at the first difference.
+
+    ``hash_at_intake``: each of our requests is hashed by the manager's own hasher when it is
+    built, as vLLM's ``Request`` is by its ``block_hasher``, before ``add_request``.
+    """
     v, s = diff.build_vllm(setup), diff.build_ours(setup)
+    hasher = s.tm.gpu.hasher if hash_at_intake else None
     pending = sorted(stream, key=lambda a: (a.step, a.rid))
     dec, tim = diff.Trace(), Timing()
     gc.collect()
@@ -116,7 +131,10 @@ def timed_replay(diff: Any, setup: Any, stream: list[Any], clock: Callable[[], i
             t0 = clock()
             v.add_request(diff.vllm_request(a, setup.block_size))
             t1 = clock()
-            s.add_request(diff.our_request(a))
+            ours = diff.our_request(a)
+            if hasher is not None:
+                hasher.update(ours)
+            s.add_request(ours)
             t2 = clock()
             tim.vllm_intake += t1 - t0
             tim.ours_intake += t2 - t1
@@ -213,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed replays (default 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=20_000)
+    parser.add_argument(
+        "--hash-at-intake",
+        action="store_true",
+        help="hash our prompts when the requests are built, where vLLM hashes its own (outside the span)",
+    )
     args = parser.parse_args(argv)
     if args.requests < 1 or args.repeats < 1:
         parser.error("--requests and --repeats must be >= 1")
@@ -239,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         f"budget {setup.max_num_batched_tokens} tokens, {setup.max_num_seqs} seats, chunked prefill, FCFS"
     )
     print("checked replay: identical at every step (batch, preemptions, finishes, free blocks, block tables, queues)")
+    where = "at intake, as vLLM's (outside the span)" if args.hash_at_intake else "inside schedule() (in the span)"
+    print(f"our prompts hashed {where}")
     print(f"clock: {args.clock}; empty span {clock_overhead(clock):.0f} ns; load average {os.getloadavg()}")
     print()
     rows = []
@@ -252,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for rep in range(args.repeats):
         try:
-            dec, tim = timed_replay(diff, setup, stream, clock, args.max_steps)
+            dec, tim = timed_replay(diff, setup, stream, clock, args.max_steps, args.hash_at_intake)
             compare(checked, dec)
         except Mismatch as exc:
             sys.exit(f"bench_scheduler: repeat {rep}: the schedulers decided differently: {exc}")

@@ -26,11 +26,15 @@ def replay():
     return diff, setup, stream, checked
 
 
-def test_lockstep_replay(benchmark, replay):
+@pytest.mark.parametrize("hash_at_intake", [False, True], ids=["hashed-in-schedule", "hashed-at-intake"])
+def test_lockstep_replay(benchmark, replay, hash_at_intake):
     diff, setup, stream, checked = replay
     benchmark.group = "scheduler step: 40 requests, vLLM 0.33 and ours in lockstep"
     dec, tim = benchmark.pedantic(
-        bsch.timed_replay, (diff, setup, stream, bsch.CLOCKS["cpu"], 5000), rounds=1, warmup_rounds=0
+        bsch.timed_replay,
+        (diff, setup, stream, bsch.CLOCKS["cpu"], 5000, hash_at_intake),
+        rounds=1,
+        warmup_rounds=0,
     )
     bsch.compare(checked, dec)
     assert tim.steps == len(checked.batches)
