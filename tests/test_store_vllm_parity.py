@@ -241,3 +241,34 @@ def test_replay_10k_requests_matches_vllm(vllm, policy):
     replay = Replay(vllm, policy, num_chunks=256, seed=10_000)
     replay.run(10_000)
     assert replay.evictions > 10_000 and replay.failed > 100 and replay.hits > 10_000
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_an_empty_load_ranks_no_request_as_in_vllm(vllm, policy):
+    """A load of no keys (a prefix lookup with no hit) is no access: the next evictions are vLLM's.
+
+    With LRU, a request's rank is taken at its first access; an empty load that took it would
+    make request A older than B, so A's block would go first where vLLM evicts B's.
+    """
+    theirs = vllm.manager.CPUOffloadingManager(2, cache_policy=policy)
+    ours = CPUStore(3, policy)
+    key = {name: vllm.base.make_offload_key(name.encode(), 0) for name in ("a1", "b1", "c1")}
+    ctx = {}
+    for rid in "ABC":
+        o, t = RequestContext(rid), vllm.base.ReqContext(req_id=rid)
+        o.set_position(key[rid.lower() + "1"], BLOCK)
+        t.set_offload_key_position(key[rid.lower() + "1"], BLOCK)
+        ours.on_new_request(o)
+        theirs.on_new_request(t)
+        ctx[rid] = (o, t)
+    assert list(ours.prepare_load([], ctx["A"][0]).block_ids) == []
+    theirs.prepare_load([], ctx["A"][1])
+    for rid in "BA":
+        o, t = ctx[rid]
+        k = key[rid.lower() + "1"]
+        assert ours.prepare_store([k], o).keys_to_store == theirs.prepare_store([k], t).keys_to_store == [k]
+        ours.complete_store([k], True, o)
+        theirs.complete_store([k], t)
+    expected = list(theirs.prepare_store([key["c1"]], ctx["C"][1]).evicted_keys)
+    assert expected == [key["b1"]]  # vLLM: B's block is the older one
+    assert list(ours.prepare_store([key["c1"]], ctx["C"][0]).evicted_keys) == expected

@@ -645,7 +645,7 @@ class CPUStore:
                 pins[key] = pins.get(key, 0) + 1
             if idle and self._mark_non_evictable is not None:
                 self._mark_non_evictable(idle)
-        if rec is not None:
+        if rec is not None and named:  # an empty load is no access (vLLM's manager records none)
             seen = rec.seen
             if seen.isdisjoint(named):  # _observe's common case, inlined: a first load of these keys
                 seen.update(named)
