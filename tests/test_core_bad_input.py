@@ -117,6 +117,38 @@ CASES = [
         ),
     ),
     (
+        "caching one block under a None hash",
+        InvalidArgumentError,
+        r"block hash 3 of the request must be bytes or an int, got None",
+        lambda m, r: m.block_pool.cache_full_blocks(
+            _long(m, {3: None}), [*m.req_to_blocks["b"][:3], m.block_pool.blocks[8]], 3, 4, 2
+        ),
+    ),
+    (
+        "caching one block under a str hash",
+        InvalidArgumentError,
+        r"block hash 3 of the request must be bytes or an int, got 'x'",
+        lambda m, r: m.block_pool.cache_full_blocks(
+            _long(m, {3: "x"}), [*m.req_to_blocks["b"][:3], m.block_pool.blocks[8]], 3, 4, 2
+        ),
+    ),
+    (
+        "caching a range whose last hash is a float",
+        InvalidArgumentError,
+        r"block hash 4 of the request must be bytes or an int, got 1.5",
+        lambda m, r: m.block_pool.cache_full_blocks(
+            _long(m, {4: 1.5}), [*m.req_to_blocks["b"][:3], m.block_pool.blocks[8], m.block_pool.blocks[9]], 3, 5, 2
+        ),
+    ),
+    (
+        "caching a range whose last hash is a tuple",
+        InvalidArgumentError,
+        r"block hash 4 of the request must be bytes or an int, got \(1,\)",
+        lambda m, r: m.block_pool.cache_full_blocks(
+            _long(m, {4: (1,)}), [*m.req_to_blocks["b"][:3], m.block_pool.blocks[8], m.block_pool.blocks[9]], 3, 5, 2
+        ),
+    ),
+    (
         "probing a prefix with a bool among the hashes",
         InvalidArgumentError,
         "an item of block_hashes must be bytes or an int, got True",

@@ -452,8 +452,14 @@ class BlockPool:
                 block: KVCacheBlock = blocks[num_cached_blocks]
                 h = request.block_hashes[num_cached_blocks]
                 i = block.block_id
-                # This pool's block (see pool_checks), not yet cached, and not the null block (own[0]).
-                plain = block.block_hash is None and i != 0 and self.blocks[i] is block
+                # This pool's block (see pool_checks), not yet cached, and not the null block (own[0]),
+                # under a hash of the type the map holds (a per-block check: see checks.py on __class__).
+                plain = (
+                    block.block_hash is None
+                    and i != 0
+                    and self.blocks[i] is block
+                    and (h.__class__ is bytes or h.__class__ is int)
+                )
                 if plain:
                     # The first change, and the last thing that can fail: an unhashable h raises
                     # before the map changes.  One probe where the hash is new, as it mostly is.

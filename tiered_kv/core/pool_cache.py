@@ -60,6 +60,8 @@ def cache_range(
             if bh is None:
                 if block.is_null:
                     continue
+                if h.__class__ is not bytes and h.__class__ is not int:  # per block: see checks.py on __class__
+                    raise TypeError  # _range_error names the hash
                 entry = cmap.setdefault(h, block)  # one probe where the hash is new, as it mostly is
                 if entry is not block:  # h already cached: the entry grows
                     if isinstance(entry, KVCacheBlock):
