@@ -422,7 +422,9 @@ class TierMoves:
             else:
                 stored.extend(ev.keys)
         if evicted:
-            self.lost_blocks += len(self.chain.only_copies(0, evicted))
+            # A key can be evicted, stored again and evicted again between two polls: each eviction counts.
+            lost = set(self.chain.only_copies(0, list(dict.fromkeys(evicted))))
+            self.lost_blocks += len(evicted) if len(lost) == len(evicted) else sum(k in lost for k in evicted)
         self.demoter.tick(stored)
 
     # ------------------------------------------------------------ audit
