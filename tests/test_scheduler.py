@@ -141,6 +141,63 @@ def test_update_refuses_a_wrong_set_of_samples_and_changes_nothing():
     assert (a.num_computed_tokens, b.num_computed_tokens) == (4, 12)
 
 
+def _view(s, *reqs):
+    """What an update changes: each request's progress and tokens, statuses, queues and free GPU blocks."""
+    return (
+        [(r.request_id, r.num_computed_tokens, list(r.all_token_ids)) for r in reqs],
+        dict(s.status),
+        [r.request_id for r in s.waiting],
+        [r.request_id for r in s.running],
+        s.tm.num_free_gpu_blocks(),
+    )
+
+
+def test_update_refuses_an_output_applied_already_or_replaced_and_changes_nothing():
+    s, _ = make()
+    a, b = Request("A", letters("aaaa"), max_tokens=3), Request("B", letters("b" * 12), max_tokens=3)
+    s.add_request(a)
+    s.add_request(b)
+    first = s.schedule()
+    s.update(first, {"A": 1, "B": 2})
+    applied = _view(s, a, b)
+    assert applied[0] == [("A", 4, [*letters("aaaa"), 1]), ("B", 12, [*letters("b" * 12), 2])]
+    with pytest.raises(InvalidArgumentError, match=r"latest schedule\(\), once: this one was applied already"):
+        s.update(first, {"A": 1, "B": 2})  # the same step twice would advance both requests again
+    assert _view(s, a, b) == applied
+    second = s.schedule()
+    third = s.schedule()  # a driver that scheduled again: the second output is stale
+    scheduled = _view(s, a, b)
+    with pytest.raises(InvalidArgumentError, match="a later schedule"):
+        s.update(second, {"A": 3, "B": 4})
+    assert _view(s, a, b) == scheduled
+    s.update(third, {"A": 3, "B": 4})
+    assert [r.request_id for r in s.requests.values()] == ["A", "B"]
+    assert (a.num_computed_tokens, b.num_computed_tokens) == (5, 13)
+
+
+@pytest.mark.parametrize("bad", [None, [], [("A", 1)], "A"])
+def test_update_refuses_samples_that_are_no_mapping_and_changes_nothing(bad):
+    s, _ = make()
+    a = Request("A", letters("aaaa"), max_tokens=2)
+    s.add_request(a)
+    out = s.schedule()
+    before = _view(s, a)
+    with pytest.raises(InvalidArgumentError, match="sampled must map request ids to sampled tokens"):
+        s.update(out, bad)
+    assert _view(s, a) == before
+    s.update(out, {"A": 1})  # the refused call left the output to apply
+    assert a.num_computed_tokens == 4
+
+
+@pytest.mark.parametrize("bad", [None, "out", {}])
+def test_update_refuses_what_is_no_scheduler_output(bad):
+    s, _ = make()
+    s.add_request(Request("A", letters("aaaa"), max_tokens=2))
+    s.schedule()
+    with pytest.raises(InvalidArgumentError, match=r"latest schedule\(\), once: got"):
+        s.update(bad, {"A": 1})
+
+
 @pytest.mark.parametrize(
     ("action", "exc"),
     [

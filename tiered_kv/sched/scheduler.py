@@ -136,6 +136,9 @@ class Scheduler:
         # swap-out, and their first allocation since may cache any of their full blocks, not only the blocks
         # that step fills.  Membership only; dropped at that allocation.
         self._lagging: set[Hashable] = set()
+        # The output of the latest schedule() until update() applies it: a step is applied once, and only
+        # the latest (an older one's progress no longer matches the requests').
+        self._unapplied: SchedulerOutput | None = None
         self.tokens_recomputed = 0  # tokens computed again after recompute preemptions dropped their KV
         self.copy_seconds = 0.0  # engine-reported time of every copy that landed
         self.copies_landed = 0
@@ -343,6 +346,7 @@ class Scheduler:
         )
         if saves:
             out.saves.update(saves)
+        self._unapplied = out
         return out
 
     def _grown(self, req: Request, c: int, n: int) -> None:
@@ -686,7 +690,22 @@ class Scheduler:
         ignored) and it goes back to the front of the swapped queue.  Loads
         are settled here, so call this after the step's compute, which waited
         for every layer.
+
+        ``out`` must be the output of the latest :meth:`schedule`, applied once:
+        another (an older step's, or one applied already) is refused with
+        ``InvalidArgumentError`` and nothing changes.
         """
+        if out is not self._unapplied:
+            what = (
+                "this one was applied already, or a later schedule() replaced it"
+                if isinstance(out, SchedulerOutput)
+                else f"got {checks.describe(out)}"
+            )
+            raise InvalidArgumentError(f"update takes the output of the latest schedule(), once: {what}")
+        if not isinstance(sampled, Mapping):
+            raise InvalidArgumentError(
+                f"sampled must map request ids to sampled tokens, got {checks.describe(sampled)}"
+            )
         loads = out.loads
         failed = {rid for rid, h in loads.items() if not h.wait()} if loads else ()  # waits only: nothing changes
         status, running = self.status, S.RUNNING
@@ -713,6 +732,7 @@ class Scheduler:
         extra = len(sampled) - ignored
         if extra != need:
             raise InvalidArgumentError(f"sampled has {extra} entries, but {need} requests sampled a token")
+        self._unapplied = None  # checked: from here on the step is applied
         # The step has computed every layer: whatever layer of a store the driver did not open is opened,
         # and the loads it computed over settle now (a request aborted while its load was landing ends then).
         settled = bool(out.saves or loads)
