@@ -192,3 +192,9 @@ def test_get_stats_reports_vllms_gauges_and_clears_the_allocation_sizes():
     assert (s.usage, s.write_usage, s.read_usage) == (2 / 5, 1 / 5, pytest.approx(1 / 5))
     assert s.allocation_sizes == (1, 2, 1)
     assert store.get_stats().allocation_sizes == ()
+
+
+@pytest.mark.parametrize("req_id", [["r"], {"r": 1}, {"r"}])
+def test_a_request_context_with_an_unhashable_id_is_refused_by_name(req_id):
+    with pytest.raises(InvalidArgumentError, match=r"req_id must be a hashable id, got"):
+        RequestContext(req_id)

@@ -228,6 +228,14 @@ class RequestContext:
     req_id: Hashable
     _positions: dict[Key, int] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        # A store keys its open requests by this id: one that cannot be a dict key is refused here,
+        # by name, rather than with a bare TypeError from the first verb that takes the request.
+        try:
+            hash(self.req_id)
+        except TypeError:
+            raise InvalidArgumentError(f"req_id must be a hashable id, got {checks.describe(self.req_id)}") from None
+
     def set_position(self, key: Key, end_token: int) -> None:
         """Record that ``key``'s block ends at token ``end_token`` (>= 1) of this request.
 
