@@ -63,3 +63,12 @@ def cq(tm: TierManager) -> list[str]:
     for e in tm.store.entries():
         out.append(f"{e.block_id}" + ("~" if not e.ready else f"@{e.ref_cnt}" if e.ref_cnt else ""))
     return out
+
+
+def quiesce_disk(tm: TierManager) -> None:
+    """Wait for the disk tier's moves in flight, so that a random run sees them land at the same step."""
+    for p in tm.plans_in_flight():
+        if "DISK" in (p.src_medium, p.dst_medium):
+            h = tm.handle(p.plan_id)
+            if h is not None:
+                assert h.wait(30), "a disk move did not finish"

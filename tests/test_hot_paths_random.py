@@ -28,6 +28,7 @@ import random
 from pathlib import Path
 
 import pytest
+from mgrutil import quiesce_disk
 from plain_path import PlainPathTierManager
 from poolutil import manager_snapshot
 from tierutil import NS, host
@@ -79,15 +80,6 @@ def draw_setup(seed: int) -> dict:
         "p_abort": r.choice([0.0, 0.02, 0.08]),
         "shared": r.random() < 0.6,
     }
-
-
-def quiesce_disk(tm: TierManager) -> None:
-    """Wait for the disk tier's moves in flight, so both runs see them land at the same step."""
-    for p in tm.plans_in_flight():
-        if "DISK" in (p.src_medium, p.dst_medium):
-            h = tm.handle(p.plan_id)
-            if h is not None:
-                assert h.wait(30), "a disk move did not finish"
 
 
 def on_gpu_bounds_hold(tm: TierManager) -> int:

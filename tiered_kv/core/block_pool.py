@@ -50,6 +50,7 @@ from tiered_kv.core.pool_cache import (
     event_extra_keys,
     num_cached_blocks,
     stored_event,
+    uncache,
 )
 from tiered_kv.core.request import Request
 from tiered_kv.errors import BlockStateError, InvalidArgumentError, NotEnoughFreeBlocksError
@@ -201,22 +202,12 @@ class BlockPool:
                 fq._num_stale -= 1
                 block = dq.popleft()
             block.ref_cnt = 1
-            h = block.block_hash
-            if h is None:
+            if block.block_hash is None:
                 return [block]
-            cmap = self.cached_block_hash_to_block
-            entry = cmap[h]
-            if entry is block:
-                del cmap[h]
-            else:  # several blocks carry h
-                assert isinstance(entry, dict), f"block {block.block_id} is not under its hash"
-                del entry[block.block_id]
-                if not entry:
-                    del cmap[h]
-            block.block_hash = None
+            old_hash = uncache(self.cached_block_hash_to_block, block)  # it held cached data: evicted now
             self.num_evicted_blocks += 1
             if self.enable_kv_cache_events or self.on_evict is not None:
-                self._report_evicted([block], [h])
+                self._report_evicted([block], [old_hash])
             return [block]
         pop = fq._dq.popleft
         cmap = self.cached_block_hash_to_block

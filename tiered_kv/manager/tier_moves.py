@@ -424,7 +424,7 @@ class TierMoves:
         if evicted:
             # A key can be evicted, stored again and evicted again between two polls: each eviction counts.
             lost = set(self.chain.only_copies(0, list(dict.fromkeys(evicted))))
-            self.lost_blocks += len(evicted) if len(lost) == len(evicted) else sum(k in lost for k in evicted)
+            self.lost_blocks += sum(k in lost for k in evicted)
         self.demoter.tick(stored)
 
     # ------------------------------------------------------------ audit
